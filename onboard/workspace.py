@@ -1,0 +1,199 @@
+"""The run directory: its manifest, one lock per run, and resumable, atomic stages.
+
+A stage writes everything into `RUN_DIR/.staging/<stage>/` laid out as the run directory
+itself; only when its body returns are the outputs renamed into place and the manifest marked
+`done`. The manifest entry is the commit point: a stage killed at any moment (SIGKILL
+included) is still `running` there, so the next invocation discards the leftovers and redoes
+it, and no artifact that looks finished can be half-written.
+"""
+
+import fcntl
+import json
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from onboard import atomic
+from onboard.errors import OnboardError
+from onboard.hashing import code_version, fingerprint, hash_json
+from onboard.recipes import Recipe
+
+MANIFEST = "manifest.json"
+STAGING = ".staging"
+_PACKAGES = ("torch", "transformers", "llmcompressor", "compressed-tensors", "onboard")
+
+console = Console(stderr=True)
+
+
+def _versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for name in _PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+@dataclass
+class Stage:
+    """Handed to a stage body: where to write, and what it records in the manifest."""
+
+    name: str
+    staging: Path
+    run: "RunDir"
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def path(self, relative: str) -> Path:
+        """Where to write the output that will end up at `RUN_DIR/relative`."""
+        target = self.staging / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return target
+
+
+class RunDir:
+    """One onboarding run. Use as a context manager: it holds the run's lock."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        if self.root.exists() and not self.root.is_dir():
+            raise OnboardError(f"output directory {self.root} exists and is not a directory")
+        self._lock_handle = None
+
+    def __enter__(self) -> "RunDir":
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._lock_handle = open(self.root / ".lock", "a+")  # noqa: SIM115 - held for the run
+        except OSError as err:
+            raise OnboardError(f"cannot use {self.root} as a run directory: {err.strerror}") from err
+        try:
+            fcntl.flock(self._lock_handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as err:
+            raise OnboardError(f"{self.root} is in use by another onboard process") from err
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._lock_handle is not None:
+            fcntl.flock(self._lock_handle, fcntl.LOCK_UN)
+            self._lock_handle.close()
+
+    @property
+    def artifact(self) -> Path:
+        return self.root / "artifact"
+
+    def manifest(self) -> dict[str, Any]:
+        return read_manifest(self.root)
+
+    def _save(self, manifest: dict[str, Any]) -> None:
+        manifest["versions"] = _versions()
+        atomic.write_json(self.root / MANIFEST, manifest)
+
+    def record_recipe(self, recipe: Recipe) -> None:
+        """The recipe this run uses, CLI overrides applied; later commands read it back."""
+        manifest = self.manifest()
+        manifest["recipe"] = recipe.model_dump()
+        self._save(manifest)
+
+    def recipe(self) -> Recipe:
+        recorded = self.manifest().get("recipe")
+        return Recipe.model_validate(recorded) if recorded else Recipe()
+
+    def stage_entry(self, name: str) -> dict[str, Any] | None:
+        return self.manifest()["stages"].get(name)
+
+    def require(self, name: str) -> dict[str, Any]:
+        entry = self.stage_entry(name)
+        if not entry or entry.get("status") != "done":
+            raise OnboardError(f"{self.root} has no finished '{name}' stage; run `onboard {name}` first")
+        return entry
+
+    def run_stage(
+        self,
+        name: str,
+        inputs: dict[str, Any],
+        outputs: list[str],
+        body: Callable[[Stage], dict[str, Any]],
+    ) -> dict[str, Any]:
+        """Run `body` unless a finished run with the same inputs is recorded; return its entry."""
+        inputs = {**inputs, "code": code_version()}
+        key = hash_json(inputs)
+        manifest = self.manifest()
+        previous = manifest["stages"].get(name)
+        if (
+            previous
+            and previous.get("status") == "done"
+            and previous.get("key") == key
+            and all((self.root / out).exists() for out in outputs)
+        ):
+            console.print(f"[bold]{name}[/]: cached, inputs unchanged ({self.root / MANIFEST})")
+            return previous
+        if previous and previous.get("status") == "running":
+            console.print(f"[yellow]{name}[/]: an earlier run did not finish; redoing it")
+
+        staging = self.root / STAGING / name
+        atomic.remove(staging)
+        staging.mkdir(parents=True)
+        entry = {"status": "running", "key": key, "inputs": inputs, "started": _now()}
+        manifest["stages"][name] = entry
+        self._save(manifest)
+
+        stage = Stage(name=name, staging=staging, run=self)
+        start = time.perf_counter()
+        try:
+            metrics = body(stage)
+            for out in outputs:
+                staged = staging / out
+                if not staged.exists():
+                    raise RuntimeError(f"stage {name} did not write {out}")
+                atomic.replace_tree(staged, self.root / out)
+        except OSError as err:
+            self._fail(name, entry, err)
+            where = f" ({err.filename})" if err.filename else ""
+            raise OnboardError(f"{name}: cannot write the run directory{where}: {err.strerror or err}") from err
+        except BaseException as err:
+            self._fail(name, entry, err)
+            raise
+        finally:
+            atomic.remove(staging)
+
+        entry.update(
+            status="done",
+            finished=_now(),
+            seconds=round(time.perf_counter() - start, 2),
+            metrics=metrics,
+            outputs={out: fingerprint(self.root / out) for out in outputs},
+        )
+        manifest = self.manifest()
+        manifest["stages"][name] = entry
+        self._save(manifest)
+        return entry
+
+    def _fail(self, name: str, entry: dict[str, Any], err: BaseException) -> None:
+        entry.update(status="failed", finished=_now(), error=str(err).splitlines()[0] if str(err) else type(err).__name__)
+        try:
+            manifest = self.manifest()
+            manifest["stages"][name] = entry
+            self._save(manifest)
+        except OSError:
+            pass  # the disk that failed the stage may refuse this too; the entry stays "running"
+
+
+def read_manifest(root: Path) -> dict[str, Any]:
+    path = Path(root) / MANIFEST
+    if not path.exists():
+        return {"run_dir": str(Path(root).resolve()), "created": _now(), "stages": {}}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise OnboardError(f"{path} is unreadable: {err}") from err

@@ -1,0 +1,51 @@
+"""`fingerprint_path`: content hashes of files and directories."""
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from onboard.data import fingerprint_path
+from onboard.errors import OnboardError
+
+
+def test_file_is_sha256_of_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(b'{"text": "x"}\n')
+    assert fingerprint_path(path) == hashlib.sha256(b'{"text": "x"}\n').hexdigest()
+    assert fingerprint_path(str(path)) == fingerprint_path(path)
+
+
+def test_directory_hash(tmp_path: Path) -> None:
+    root = tmp_path / "tree"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.txt").write_text("a", encoding="utf-8")
+    (root / "sub" / "b.py").write_text("b", encoding="utf-8")
+    first = fingerprint_path(root)
+    assert fingerprint_path(root) == first
+
+    # tool state does not count
+    (root / "__pycache__").mkdir()
+    (root / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    (root / ".hidden").write_text("h", encoding="utf-8")
+    assert fingerprint_path(root) == first
+
+    (root / "sub" / "b.py").write_text("B", encoding="utf-8")
+    changed = fingerprint_path(root)
+    assert changed != first
+    (root / "sub" / "b.py").rename(root / "sub" / "c.py")
+    assert fingerprint_path(root) not in (first, changed)
+
+
+def test_moved_bytes_between_files_change_the_hash(tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    for root, (a, b) in ((one, ("ab", "c")), (two, ("a", "bc"))):
+        root.mkdir()
+        (root / "a.txt").write_text(a, encoding="utf-8")
+        (root / "b.txt").write_text(b, encoding="utf-8")
+    assert fingerprint_path(one) != fingerprint_path(two)
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(OnboardError, match="no such file or directory"):
+        fingerprint_path(tmp_path / "missing")

@@ -1,0 +1,294 @@
+"""Tiny, seeded, random causal LMs saved as real Hugging Face checkpoint directories.
+
+Everything here is built locally (no hub access): a byte-level BPE tokenizer trained on a small
+built-in corpus, and llama / qwen3 / qwen3_moe models small enough to build, quantize and evaluate
+on a CPU in seconds.  Every builder is deterministic: the same arguments give the same files, byte
+for byte.
+
+Shapes are chosen for NVFP4: every Linear (and every fused MoE expert matrix) has in and out
+features that are multiples of 16.  The one exception is the MoE router `mlp.gate` (out = number
+of experts = 4), which NVFP4 recipes leave unquantized; its input dim is still 64.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+# ---------------------------------------------------------------------------------------------
+# Sizes and special tokens
+# ---------------------------------------------------------------------------------------------
+
+VOCAB_SIZE = 512
+HIDDEN_SIZE = 64
+INTERMEDIATE_SIZE = 128
+MOE_INTERMEDIATE_SIZE = 64
+NUM_EXPERTS = 4
+NUM_EXPERTS_PER_TOK = 2
+NUM_HIDDEN_LAYERS = 2
+NUM_ATTENTION_HEADS = 4
+NUM_KEY_VALUE_HEADS = 2
+HEAD_DIM = 16
+MAX_POSITION_EMBEDDINGS = 512
+
+PAD_TOKEN = "<|endoftext|>"
+BOS_TOKEN = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN]  # ids 0, 1, 2
+PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
+
+ARCHS = ("llama", "qwen3", "qwen3_moe")
+
+# Std of the re-initialised weights (transformers' default is 0.02).  With 0.1 everywhere the
+# next-token distribution is nearly uniform (entropy ~5.9 of log(512) = 6.24 nats); these values
+# give a mean entropy of ~3.3 nats with max-probabilities from ~0.1 to ~0.8 across positions, for
+# all three archs (qwen3 ties lm_head to the embedding, so both share EMBED_STD).
+LINEAR_STD = 0.15
+EMBED_STD = 0.35
+
+# ChatML.  Roles: system, user, assistant; `add_generation_prompt` opens an assistant turn.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{- raise_exception('Unsupported role: ' + message['role']) -}}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- endif -%}"
+)
+
+# A few KB of fixed English, Python and math text: enough for 253 BPE merges.
+CORPUS = r'''
+The quick brown fox jumps over the lazy dog. A model is only as good as the data it was trained on,
+and a quantized model is only as good as the calibration data used to measure it. We measure the
+KL divergence between the original model and the quantized copy on held-out prompts, one token at
+a time, and report the mean, the median and the worst positions.
+
+Once upon a time there was a small language model that lived on a laptop. It could not write
+poems, but it could count, and it could tell the difference between a list and a dictionary. Every
+morning it read the same short book, and every evening it forgot most of it again.
+
+The weather today is cloudy with a chance of rain in the afternoon. Temperatures will reach twenty
+degrees in the city and fifteen degrees near the coast. Tomorrow should be sunny and warmer, with a
+light wind from the west.
+
+Please answer the following question. What is the capital of France? The capital of France is
+Paris. What is the largest planet in the solar system? The largest planet is Jupiter. How many days
+are there in a week? There are seven days in a week.
+
+def fibonacci(n: int) -> int:
+    """Return the n-th Fibonacci number."""
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+
+def mean(values: list[float]) -> float:
+    if not values:
+        raise ValueError("mean of an empty list")
+    return sum(values) / len(values)
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def add(self, key: str) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def most_common(self, k: int = 3) -> list[tuple[str, int]]:
+        return sorted(self.counts.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+
+
+import math
+
+for i in range(10):
+    print(i, i * i, math.sqrt(i), fibonacci(i))
+
+with open("data.txt", encoding="utf-8") as f:
+    lines = [line.strip() for line in f if line.strip()]
+
+Let x = 3 and y = 4. Then x + y = 7, x * y = 12 and x^2 + y^2 = 25 = 5^2.
+The derivative of f(x) = x^2 is f'(x) = 2x, and the integral of 2x dx is x^2 + C.
+For all integers n >= 1, 1 + 2 + ... + n = n(n + 1) / 2.
+The quadratic formula: x = (-b +- sqrt(b^2 - 4ac)) / (2a).
+Euler's identity: e^(i*pi) + 1 = 0. The sum of the angles in a triangle is 180 degrees.
+If p is prime and p divides ab, then p divides a or p divides b.
+KL(P || Q) = sum_i p_i * log(p_i / q_i) >= 0, with equality if and only if P = Q.
+The softmax of a vector z is exp(z_i) / sum_j exp(z_j); its entropy is at most log(n).
+2 + 2 = 4, 10 - 3 = 7, 6 * 7 = 42, 81 / 9 = 9, 2^10 = 1024, 3.14159 is close to pi.
+
+User: Can you write a function that reverses a string?
+Assistant: Sure. In Python you can write `def reverse(s): return s[::-1]`, which uses slicing.
+User: Thank you! What does the [::-1] mean?
+Assistant: It is a slice with a step of minus one, so it walks the string from the end to the start.
+
+The history of computing is a history of making machines smaller, faster and cheaper. The first
+computers filled whole rooms; today a phone in your pocket is thousands of times more powerful.
+Numbers are stored in binary, as ones and zeros, and floating point numbers trade precision for
+range. A four bit float can only represent sixteen different values, so every group of sixteen
+weights shares one scale, and the scales themselves are stored in eight bits.
+'''
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+def _train_bpe() -> Tokenizer:
+    """Train the byte-level BPE on CORPUS (deterministic: same merges on every run)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=1,
+        show_progress=False,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS.strip().split("\n\n"), trainer=trainer)
+    if tok.get_vocab_size() != VOCAB_SIZE:
+        raise RuntimeError(f"trained vocab has {tok.get_vocab_size()} tokens, want {VOCAB_SIZE}")
+    for i, t in enumerate(SPECIAL_TOKENS):
+        if tok.token_to_id(t) != i:
+            raise RuntimeError(f"special token {t!r} got id {tok.token_to_id(t)}, want {i}")
+    return tok
+
+
+def build_tokenizer(out_dir: Path) -> transformers.PreTrainedTokenizerFast:
+    """Train the tiny tokenizer, save it into `out_dir` and return it."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=_train_bpe(),
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=None,
+        model_max_length=MAX_POSITION_EMBEDDINGS,
+        clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
+    )
+    tokenizer.save_pretrained(out_dir)
+    return tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------
+
+
+def _config(arch: str) -> transformers.PretrainedConfig:
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=INTERMEDIATE_SIZE,
+        num_hidden_layers=NUM_HIDDEN_LAYERS,
+        num_attention_heads=NUM_ATTENTION_HEADS,
+        num_key_value_heads=NUM_KEY_VALUE_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        initializer_range=LINEAR_STD,
+        bos_token_id=BOS_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=PAD_TOKEN_ID,
+    )
+    if arch == "llama":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=False)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common, tie_word_embeddings=True)
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **common,
+            tie_word_embeddings=False,
+            moe_intermediate_size=MOE_INTERMEDIATE_SIZE,
+            num_experts=NUM_EXPERTS,
+            num_experts_per_tok=NUM_EXPERTS_PER_TOK,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+
+
+def _make_model(arch: str, seed: int) -> transformers.PreTrainedModel:
+    """Build the model in float32 from a fixed seed, re-initialise, and cast to bfloat16."""
+    config = _config(arch)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Re-draw every weight from our own generator, in parameter-name order, so the values do not
+    # depend on transformers' init internals.  Norm weights stay at 1.
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("norm.weight"):
+                continue
+            std = EMBED_STD if ("embed_tokens" in name or "lm_head" in name) else LINEAR_STD
+            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+    model = model.to(torch.bfloat16).eval()
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID
+    )
+    return model
+
+
+def build_model(out_dir: Path, arch: str, seed: int = 0) -> Path:
+    """Write a tiny `arch` checkpoint (config, safetensors, tokenizer, generation config)."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = _make_model(arch, seed)
+    # transformers 5 always writes safetensors (`safe_serialization` is gone from the signature).
+    model.save_pretrained(out_dir)
+    build_tokenizer(out_dir)
+    if not (out_dir / "model.safetensors").is_file():
+        raise RuntimeError(f"save_pretrained did not write {out_dir / 'model.safetensors'}")
+    return out_dir
+
+
+def build_pickle_only(out_dir: Path) -> Path:
+    """The tiny llama, but with its weights in a pickled `pytorch_model.bin` and no safetensors."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = _make_model("llama", seed=0)
+    # transformers 5 cannot save pickle any more, so write the legacy file by hand.
+    model.config.save_pretrained(out_dir)
+    model.generation_config.save_pretrained(out_dir)
+    state_dict = {k: v.contiguous() for k, v in model.state_dict().items()}
+    torch.save(state_dict, out_dir / "pytorch_model.bin")
+    build_tokenizer(out_dir)
+    return out_dir
+
+
+def build_unknown_arch(out_dir: Path) -> Path:
+    """A checkpoint dir whose architecture no library knows (`notamodel`)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["NotAModelForCausalLM"],
+        "model_type": "notamodel",
+        "hidden_size": 16,
+        "num_hidden_layers": 1,
+        "vocab_size": 32,
+        "dtype": "bfloat16",
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(32, 16, generator=gen).to(torch.bfloat16),
+        "model.layers.0.proj.weight": torch.randn(16, 16, generator=gen).to(torch.bfloat16),
+    }
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
