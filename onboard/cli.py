@@ -5,7 +5,6 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
-import click
 import typer
 
 from onboard.errors import OnboardError
@@ -60,8 +59,11 @@ def _recipe(checkpoint, recipe_path: Path | None, scheme: str | None, samples: i
 
 
 def _existing_data(path: Path | None) -> Path | None:
-    if path is not None and not path.exists():
-        raise OnboardError(f"DATA path {path} does not exist")
+    """Read DATA once up front, so an empty or unreadable file fails before any stage starts."""
+    if path is not None:
+        from onboard.data import load_records
+
+        load_records(path)
     return path
 
 
@@ -76,10 +78,11 @@ def _pipeline(model: Path, out: Path, stages: list[str], recipe: Path | None, sc
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise OnboardError(f"unknown stage {unknown[0]!r}; stages are {', '.join(STAGES)}")
+    # Everything the user gave is checked before the run directory is touched.
+    checkpoint = resolve_model(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    resolved = _recipe(checkpoint, recipe, scheme, samples, seq_len, max_tokens)
+    calib, data = _existing_data(calib), _existing_data(data)
     with RunDir(out) as run:
-        checkpoint = resolve_model(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
-        resolved = _recipe(checkpoint, recipe, scheme, samples, seq_len, max_tokens)
-        calib, data = _existing_data(calib), _existing_data(data)
         run.record_recipe(resolved)
         if "quantize" in stages:
             run_quantize(run, checkpoint, resolved.quantize, calib)
@@ -168,23 +171,37 @@ def demo(
               chosen["max_tokens"], False, False)
 
 
-def main() -> None:
+def _quiet_libraries() -> None:
+    """Library chatter (warnings about CPU, offloading, long sequences) drowns our output."""
+    import warnings
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "WARNING")
+    os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "ERROR")
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
+def main() -> None:
+    _quiet_libraries()
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)
     except OnboardError as err:
         print(f"onboard: error: {err}", file=sys.stderr)
         sys.exit(2)
-    except click.exceptions.Abort:
+    except (typer.Abort, KeyboardInterrupt):
         print("onboard: interrupted", file=sys.stderr)
         sys.exit(130)
-    except click.exceptions.ClickException as err:
-        print(f"onboard: error: {err.format_message()}", file=sys.stderr)
-        sys.exit(err.exit_code or 2)
-    except KeyboardInterrupt:
-        print("onboard: interrupted", file=sys.stderr)
-        sys.exit(130)
+    except typer.Exit as done:
+        sys.exit(done.exit_code)
+    except typer.TyperException as err:  # usage errors: unknown option, missing argument
+        message = err.format_message() if hasattr(err, "format_message") else str(err)
+        print(f"onboard: error: {message} (see onboard --help)", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":
