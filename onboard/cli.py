@@ -29,33 +29,23 @@ DataOpt = Annotated[Path | None, typer.Option(help="held-out DATA (default: the 
 MaxTokOpt = Annotated[int | None, typer.Option(help="held-out tokens to score (default: the recipe's)")]
 
 
-def _positive(name: str, value: int | None) -> None:
-    if value is not None and value <= 0:
-        raise OnboardError(f"{name} must be a positive number, got {value}")
-
-
 def _recipe(checkpoint, recipe_path: Path | None, scheme: str | None, samples: int | None,
             seq_len: int | None, max_tokens: int | None):
     """The recipe (explicit or matched by architecture) with CLI overrides applied."""
-    from onboard.quantize.schemes import SCHEMES
-    from onboard.recipes import load_recipe, recipe_for
+    from onboard.recipes import load_recipe, recipe_for, with_overrides
     from onboard.workspace import console
 
-    for name, value in (("--num-samples", samples), ("--max-seq-length", seq_len), ("--max-tokens", max_tokens)):
-        _positive(name, value)
-    if scheme is not None and scheme not in SCHEMES:
-        raise OnboardError(f"--scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
     if recipe_path:
         recipe = load_recipe(recipe_path)
     else:
         recipe, recipe_path = recipe_for(checkpoint.architectures)
     console.print(f"recipe: {recipe_path or 'built-in defaults'} ({recipe.name})")
-    calibration = recipe.quantize.calibration.model_copy(
-        update={k: v for k, v in (("num_samples", samples), ("max_seq_length", seq_len)) if v is not None}
-    )
-    quantize = recipe.quantize.model_copy(update={"calibration": calibration, **({"scheme": scheme} if scheme else {})})
-    evaluation = recipe.eval.model_copy(update={"max_tokens": max_tokens} if max_tokens else {})
-    return recipe.model_copy(update={"quantize": quantize, "eval": evaluation})
+    return with_overrides(recipe, {
+        "--scheme": ("quantize.scheme", scheme),
+        "--num-samples": ("quantize.calibration.num_samples", samples),
+        "--max-seq-length": ("quantize.calibration.max_seq_length", seq_len),
+        "--max-tokens": ("eval.max_tokens", max_tokens),
+    })
 
 
 def _existing_data(path: Path | None) -> Path | None:
@@ -116,17 +106,17 @@ def evaluate(
 ) -> None:
     """KL divergence of the artifact's next-token distributions against the original model."""
     from onboard.evaluate.stage import run_eval
-    from onboard.workspace import RunDir
+    from onboard.recipes import with_overrides
+    from onboard.workspace import MANIFEST, RunDir
 
-    _positive("--max-tokens", max_tokens)
-    if not run_dir.is_dir():
-        raise OnboardError(f"run directory {run_dir} does not exist")
-    with RunDir(run_dir) as run:
+    run = RunDir(run_dir)
+    recipe = with_overrides(run.recipe(), {"--max-tokens": ("eval.max_tokens", max_tokens)})
+    if not (run_dir / MANIFEST).is_file():
+        raise OnboardError(f"{run_dir} is not a run directory (no {MANIFEST}); run `onboard quantize` first")
+    data = _existing_data(data)
+    with run:
         run.require("quantize")
-        settings = run.recipe().eval
-        if max_tokens:
-            settings = settings.model_copy(update={"max_tokens": max_tokens})
-        run_eval(run, settings, _existing_data(data), out)
+        run_eval(run, recipe.eval, data, out)
 
 
 @app.command()

@@ -65,7 +65,7 @@ def _describe(err: ValidationError) -> str:
         if problem["type"] == "extra_forbidden":
             reasons.append(f"unknown key '{where}'")
         else:
-            reasons.append(f"'{where}': {problem['msg']}")
+            reasons.append(f"'{where}' = {problem.get('input')!r}: {problem['msg']}")
     return "; ".join(reasons)
 
 
@@ -85,6 +85,27 @@ def load_recipe(path: Path) -> Recipe:
         return Recipe.model_validate(raw)
     except ValidationError as err:
         raise OnboardError(f"recipe {path}: {_describe(err)}") from err
+
+
+def with_overrides(recipe: Recipe, overrides: dict[str, tuple[str, object]]) -> Recipe:
+    """Apply CLI overrides, {"--num-samples": ("quantize.calibration.num_samples", 16)},
+    validated by the same schema as the YAML, so `--max-seq-length 1` fails like a recipe would."""
+    data = recipe.model_dump()
+    for dotted, value in overrides.values():
+        if value is None:
+            continue
+        *parents, leaf = dotted.split(".")
+        node = data
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as err:
+        flags = {dotted: flag for flag, (dotted, _) in overrides.items()}
+        problem = err.errors()[0]
+        flag = flags.get(".".join(str(part) for part in problem["loc"]), "option")
+        raise OnboardError(f"{flag} {problem.get('input')!r}: {problem['msg']}") from err
 
 
 def shipped_recipes() -> list[Path]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from safetensors import SafetensorError
 
 from onboard import atomic
 from onboard.errors import OnboardError
@@ -80,6 +81,8 @@ class RunDir:
         try:
             fcntl.flock(self._lock_handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as err:
+            self._lock_handle.close()
+            self._lock_handle = None
             raise OnboardError(f"{self.root} is in use by another onboard process") from err
         return self
 
@@ -143,6 +146,9 @@ class RunDir:
 
         staging = self.root / STAGING / name
         atomic.remove(staging)
+        for out in outputs:  # trees a killed replace_tree had set aside
+            for stale in self.root.glob(f".{Path(out).name}.old-*"):
+                atomic.remove(stale)
         staging.mkdir(parents=True)
         entry = {"status": "running", "key": key, "inputs": inputs, "started": _now()}
         manifest["stages"][name] = entry
@@ -157,10 +163,13 @@ class RunDir:
                 if not staged.exists():
                     raise RuntimeError(f"stage {name} did not write {out}")
                 atomic.replace_tree(staged, self.root / out)
-        except OSError as err:
+        except (OSError, SafetensorError) as err:
+            # A full disk or a write limit surfaces as OSError, or from safetensors' Rust writer
+            # as SafetensorError; either way nothing was renamed into place.
             self._fail(name, entry, err)
-            where = f" ({err.filename})" if err.filename else ""
-            raise OnboardError(f"{name}: cannot write the run directory{where}: {err.strerror or err}") from err
+            where = f" ({err.filename})" if getattr(err, "filename", None) else ""
+            reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
+            raise OnboardError(f"{name}: I/O error under {self.root}{where}: {reason}") from err
         except BaseException as err:
             self._fail(name, entry, err)
             raise

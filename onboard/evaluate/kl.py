@@ -24,7 +24,9 @@ class KLStats:
         """Add positions: logits [n, vocab], targets [n] (the actual next tokens). Returns the KLs."""
         ref = torch.log_softmax(ref_logits.float(), dim=-1)
         quant = torch.log_softmax(quant_logits.float(), dim=-1)
-        kl = (ref.exp() * (ref - quant)).sum(-1).clamp_min(0.0)
+        p = ref.exp()
+        # p = 0 terms are 0 by convention (0 * -inf would be nan for masked-out tokens).
+        kl = torch.where(p > 0, p * (ref - quant), 0.0).sum(-1).clamp_min(0.0)
         top = ref.argmax(-1, keepdim=True)
         self._kl.append(kl)
         self._same_top.append(quant.argmax(-1, keepdim=True) == top)

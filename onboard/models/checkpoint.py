@@ -43,9 +43,9 @@ def check_safetensors(path: Path) -> None:
             if header_len > size - 8:
                 raise ValueError("header longer than the file")
             header = json.loads(handle.read(header_len))
-    except (struct.error, ValueError, UnicodeDecodeError) as err:
-        raise OnboardError(f"{path} is not a valid safetensors file ({err}); re-download it") from err
-    data_end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        data_end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, UnicodeDecodeError, AttributeError, KeyError, TypeError, IndexError) as err:
+        raise OnboardError(f"{path} is not a valid safetensors file ({err!r}); re-download it") from err
     if 8 + header_len + data_end > size:
         raise OnboardError(
             f"{path} is truncated: {size} bytes on disk, {8 + header_len + data_end} expected; re-download it"

@@ -1,6 +1,7 @@
 """GGUF files: dequantized once by transformers into a bf16 safetensors checkpoint."""
 
 import shutil
+import struct
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
             gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.bfloat16
         )
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    except (ValueError, OSError, KeyError) as err:
+    except (ValueError, OSError, KeyError, struct.error) as err:
         raise OnboardError(f"{gguf_file}: transformers cannot read this GGUF file: {str(err).splitlines()[0]}") from err
     # transformers refuses to serialise a model that still carries the GGUF quantizer; the
     # weights are already dequantized in memory, so dropping it is exact.
@@ -33,6 +34,8 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
         del model.config.quantization_config
     model.hf_quantizer = None
     model.config._name_or_path = ""
+    if hasattr(model.config, "_model_name_or_path"):  # GGUF general.name, not a path
+        del model.config._model_name_or_path
     tokenizer = fix_special_tokens(tokenizer, model.config)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id

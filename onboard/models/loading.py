@@ -7,12 +7,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from onboard.errors import OnboardError
 from onboard.models.checkpoint import Checkpoint, inspect_checkpoint
+from onboard.models.moe_artifact import is_quantized_moe, load_quantized_moe
 
 
 def resolve_model(path: Path, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> Checkpoint:
     """MODEL as the CLI takes it: a checkpoint directory, or a .gguf file converted once to one."""
     path = Path(path).expanduser()
-    if path.suffix == ".gguf":
+    if path.suffix.lower() == ".gguf":
         from onboard.models.gguf import converted_gguf
 
         path = converted_gguf(path)
@@ -22,8 +23,8 @@ def resolve_model(path: Path, *, allow_pickle: bool = False, trust_remote_code: 
 def fix_special_tokens(tokenizer: PreTrainedTokenizerBase, model_config) -> PreTrainedTokenizerBase:
     """Make eos agree with the model's config and give batching a pad token.
 
-    GGUF conversions in particular carry eos = bos (SmolLM2's says <|im_start|>) while the
-    model config names the real end-of-turn token.
+    transformers' GGUF tokenizer converter sets eos from the bos id (SmolLM2 comes out with
+    eos = <|im_start|>) while the config keeps the file's eos id, the real end of turn.
     """
     eos_id = getattr(model_config, "eos_token_id", None)
     if isinstance(eos_id, list):
@@ -44,6 +45,8 @@ def load_tokenizer(checkpoint: Checkpoint) -> PreTrainedTokenizerBase:
 
 
 def load_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16) -> PreTrainedModel:
+    if is_quantized_moe(checkpoint.config):
+        return load_quantized_moe(checkpoint.path, dtype, checkpoint.trust_remote_code).eval()
     try:
         model = AutoModelForCausalLM.from_pretrained(
             checkpoint.path,

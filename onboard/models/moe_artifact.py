@@ -1,0 +1,48 @@
+"""Loading a quantized mixture-of-experts artifact with one Linear module per expert.
+
+transformers 5.17 fuses per-expert compressed tensors into 3-D expert weights on load and,
+doing so, drops the NVFP4 global scales (experts come back scaled by them) and the activation
+quantization. llmcompressor's own loading context relies on transformers' class patching,
+which imports every lazy model module and fails without torchvision. So we build the model,
+linearize its experts as llmcompressor did before quantizing them, lay out the compressed
+parameters with compressed-tensors, load the stored tensors by name and decompress: the same
+modules, names and numerics that were calibrated, and that vLLM serves.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from onboard.errors import OnboardError
+
+
+def is_quantized_moe(config: dict) -> bool:
+    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
+    return bool(experts) and "quantization_config" in config
+
+
+def load_quantized_moe(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> PreTrainedModel:
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from llmcompressor.modeling.moe.linearize import linearize_moe
+
+    quantization = QuantizationConfig.model_validate(json.loads((path / "config.json").read_text())["quantization_config"])
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    linearize_moe(model)
+    apply_quantization_config(model, quantization, run_compressed=False)
+    compressor = ModelCompressor(quantization_config=quantization)
+    compressor.compress_model(model)  # the packed parameter layout the stored tensors fill
+    state = {}
+    for file in sorted(path.glob("*.safetensors")):
+        state.update(load_file(file))
+    result = model.load_state_dict(state, strict=False)
+    stray = [k for k in result.missing_keys if "rotary" not in k] + list(result.unexpected_keys)
+    if stray:
+        raise OnboardError(f"{path}: stored tensors do not match the linearized model (e.g. {stray[0]})")
+    compressor.decompress_model(model)
+    return model
