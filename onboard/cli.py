@@ -29,8 +29,14 @@ DataOpt = Annotated[Path | None, typer.Option(help="held-out DATA (default: the 
 MaxTokOpt = Annotated[int | None, typer.Option(help="held-out tokens to score (default: the recipe's)")]
 
 
-def _recipe(checkpoint, recipe_path: Path | None, scheme: str | None, samples: int | None,
-            seq_len: int | None, max_tokens: int | None):
+def _recipe(
+    checkpoint,
+    recipe_path: Path | None,
+    scheme: str | None,
+    samples: int | None,
+    seq_len: int | None,
+    max_tokens: int | None,
+):
     """The recipe (explicit or matched by architecture) with CLI overrides applied."""
     from onboard.recipes import load_recipe, recipe_for, with_overrides
     from onboard.workspace import console
@@ -40,12 +46,15 @@ def _recipe(checkpoint, recipe_path: Path | None, scheme: str | None, samples: i
     else:
         recipe, recipe_path = recipe_for(checkpoint.architectures)
     console.print(f"recipe: {recipe_path or 'built-in defaults'} ({recipe.name})")
-    return with_overrides(recipe, {
-        "--scheme": ("quantize.scheme", scheme),
-        "--num-samples": ("quantize.calibration.num_samples", samples),
-        "--max-seq-length": ("quantize.calibration.max_seq_length", seq_len),
-        "--max-tokens": ("eval.max_tokens", max_tokens),
-    })
+    return with_overrides(
+        recipe,
+        {
+            "--scheme": ("quantize.scheme", scheme),
+            "--num-samples": ("quantize.calibration.num_samples", samples),
+            "--max-seq-length": ("quantize.calibration.max_seq_length", seq_len),
+            "--max-tokens": ("eval.max_tokens", max_tokens),
+        },
+    )
 
 
 def _existing_data(path: Path | None) -> Path | None:
@@ -57,9 +66,20 @@ def _existing_data(path: Path | None) -> Path | None:
     return path
 
 
-def _pipeline(model: Path, out: Path, stages: list[str], recipe: Path | None, scheme: str | None,
-              calib: Path | None, data: Path | None, samples: int | None, seq_len: int | None,
-              max_tokens: int | None, allow_pickle: bool, trust_remote_code: bool) -> None:
+def _pipeline(
+    model: Path,
+    out: Path,
+    stages: list[str],
+    recipe: Path | None,
+    scheme: str | None,
+    calib: Path | None,
+    data: Path | None,
+    samples: int | None,
+    seq_len: int | None,
+    max_tokens: int | None,
+    allow_pickle: bool,
+    trust_remote_code: bool,
+) -> None:
     from onboard.evaluate.stage import run_eval
     from onboard.models import resolve_model
     from onboard.quantize.stage import run_quantize
@@ -93,8 +113,20 @@ def quantize(
     trust_remote_code: RemoteOpt = False,
 ) -> None:
     """Quantize MODEL with llmcompressor into RUN_DIR/artifact (compressed-tensors)."""
-    _pipeline(model, out, ["quantize"], recipe, scheme, calib, None, num_samples, max_seq_length, None,
-              allow_pickle, trust_remote_code)
+    _pipeline(
+        model,
+        out,
+        ["quantize"],
+        recipe,
+        scheme,
+        calib,
+        None,
+        num_samples,
+        max_seq_length,
+        None,
+        allow_pickle,
+        trust_remote_code,
+    )
 
 
 @app.command("eval")
@@ -133,8 +165,20 @@ def run(
     trust_remote_code: RemoteOpt = False,
 ) -> None:
     """Run the stages in order, resuming those already finished with the same inputs."""
-    _pipeline(model, out, [s.strip() for s in stages.split(",") if s.strip()], recipe, scheme, calib, data,
-              None, None, max_tokens, allow_pickle, trust_remote_code)
+    _pipeline(
+        model,
+        out,
+        [s.strip() for s in stages.split(",") if s.strip()],
+        recipe,
+        scheme,
+        calib,
+        data,
+        None,
+        None,
+        max_tokens,
+        allow_pickle,
+        trust_remote_code,
+    )
 
 
 # The quick profile keeps CI and a first look short; full uses the recipe's own numbers.
@@ -157,18 +201,32 @@ def demo(
         print(checkpoint)
         return
     chosen = DEMO_PROFILES[profile]
-    _pipeline(checkpoint, out, list(STAGES), None, None, None, None, chosen["samples"], None,
-              chosen["max_tokens"], False, False)
+    _pipeline(
+        checkpoint,
+        out,
+        list(STAGES),
+        None,
+        None,
+        None,
+        None,
+        chosen["samples"],
+        None,
+        chosen["max_tokens"],
+        False,
+        False,
+    )
 
 
 def _quiet_libraries() -> None:
     """Library chatter (warnings about CPU, offloading, long sequences) drowns our output."""
+    import logging
     import warnings
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "ERROR")
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     import transformers
 
     transformers.logging.set_verbosity_error()

@@ -75,7 +75,7 @@ class RunDir:
     def __enter__(self) -> "RunDir":
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            self._lock_handle = open(self.root / ".lock", "a+")  # noqa: SIM115 - held for the run
+            self._lock_handle = open(self.root / ".lock", "a+")
         except OSError as err:
             raise OnboardError(f"cannot use {self.root} as a run directory: {err.strerror}") from err
         try:
@@ -189,7 +189,9 @@ class RunDir:
         return entry
 
     def _fail(self, name: str, entry: dict[str, Any], err: BaseException) -> None:
-        entry.update(status="failed", finished=_now(), error=str(err).splitlines()[0] if str(err) else type(err).__name__)
+        entry.update(
+            status="failed", finished=_now(), error=str(err).splitlines()[0] if str(err) else type(err).__name__
+        )
         try:
             manifest = self.manifest()
             manifest["stages"][name] = entry

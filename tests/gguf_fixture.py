@@ -106,12 +106,8 @@ def tiny_gguf_state_dict(seed: int = 0, vocab_size: int = tiny_models.VOCAB_SIZE
         p = f"model.layers.{i}."
         state[p + "input_layernorm.weight"] = norm()
         state[p + "self_attn.q_proj.weight"] = rand(NUM_HEADS * HEAD_DIM, HIDDEN_SIZE, std=linear)
-        state[p + "self_attn.k_proj.weight"] = rand(
-            NUM_KV_HEADS * HEAD_DIM, HIDDEN_SIZE, std=linear
-        )
-        state[p + "self_attn.v_proj.weight"] = rand(
-            NUM_KV_HEADS * HEAD_DIM, HIDDEN_SIZE, std=linear
-        )
+        state[p + "self_attn.k_proj.weight"] = rand(NUM_KV_HEADS * HEAD_DIM, HIDDEN_SIZE, std=linear)
+        state[p + "self_attn.v_proj.weight"] = rand(NUM_KV_HEADS * HEAD_DIM, HIDDEN_SIZE, std=linear)
         state[p + "self_attn.o_proj.weight"] = rand(HIDDEN_SIZE, NUM_HEADS * HEAD_DIM, std=linear)
         state[p + "post_attention_layernorm.weight"] = norm()
         state[p + "mlp.gate_proj.weight"] = rand(FFN_SIZE, HIDDEN_SIZE, std=linear)

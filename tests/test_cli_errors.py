@@ -107,9 +107,7 @@ def snapshot(path: Path) -> dict[str, bytes] | None:
         return {"": path.read_bytes()}
     if not path.exists():
         return None
-    return {
-        str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()
-    }
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
 def assert_nothing_half_written(run_dir: Path, before: dict[str, bytes] | None) -> None:
@@ -331,8 +329,6 @@ def batch(inputs: Inputs) -> Batch:
     return Batch(cases, before, results)
 
 
-
-
 CASES = [
     "missing_model",
     "no_config",
@@ -368,9 +364,7 @@ def test_every_case_is_checked(batch: Batch) -> None:
 def test_console_script_matches_batch(batch: Batch) -> None:
     """The installed `onboard` script, in a fresh interpreter, says what the batch child said."""
     case = batch.cases["missing_model"]
-    real = subprocess.run(
-        [*onboard_script(), *case.args], capture_output=True, text=True, env=cli_env(), timeout=300
-    )
+    real = subprocess.run([*onboard_script(), *case.args], capture_output=True, text=True, env=cli_env(), timeout=300)
     forked = batch.results["missing_model"]
     assert (real.returncode, error_lines(Result(real.returncode, real.stdout, real.stderr))) == (
         forked.returncode,
@@ -446,23 +440,15 @@ def run_cli(args: list[str], **kwargs) -> Result:
 
 
 @pytest.fixture(scope="module")
-def write_failure(
-    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Path, Result]:
+def write_failure(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Result]:
     run_dir = tmp_path_factory.mktemp("efbig") / "run"
-    result = run_cli(
-        ["quantize", str(tiny_llama), "--out", str(run_dir), *QUICK], preexec_fn=_limit_file_size
-    )
+    result = run_cli(["quantize", str(tiny_llama), "--out", str(run_dir), *QUICK], preexec_fn=_limit_file_size)
     return run_dir, result
 
 
 def leftovers(run_dir: Path) -> list[str]:
     """Staging directories, temporary files and set-aside trees a stage may leave behind."""
-    found = [
-        str(p.relative_to(run_dir))
-        for p in run_dir.rglob("*")
-        if ".tmp-" in p.name or ".old-" in p.name
-    ]
+    found = [str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if ".tmp-" in p.name or ".old-" in p.name]
     staging = run_dir / ".staging"
     if staging.exists():
         found += [str(p.relative_to(run_dir)) for p in staging.iterdir()]

@@ -87,9 +87,7 @@ def test_qwen3_moe_recipe_keeps_routers_in_high_precision() -> None:
 
 
 def test_partial_recipe_keeps_other_defaults(tmp_path: Path) -> None:
-    path = write_recipe(
-        tmp_path, {"quantize": {"scheme": "fp8", "calibration": {"num_samples": 3}}}
-    )
+    path = write_recipe(tmp_path, {"quantize": {"scheme": "fp8", "calibration": {"num_samples": 3}}})
     recipe = load_recipe(path)
     assert recipe.quantize.scheme == "fp8"
     assert recipe.quantize.calibration.num_samples == 3

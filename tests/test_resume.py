@@ -52,9 +52,7 @@ def manifest_entry(root: Path, name: str = "toy") -> dict[str, Any]:
     return json.loads((root / "manifest.json").read_text())["stages"][name]
 
 
-def test_second_call_with_same_inputs_is_cached(
-    tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
+def test_second_call_with_same_inputs_is_cached(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     body = Toy()
     first = toy_stage(tmp_path, body)
     assert body.calls == 1
@@ -301,10 +299,7 @@ def killed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Killed
             # Better still: kill it once it has started writing the artifact (about a second
             # before it would finish); give up waiting for that after a while.
             wait_for_files = time.monotonic() + 60
-            while (
-                not any(p.is_file() for p in staging.rglob("*"))
-                and time.monotonic() < wait_for_files
-            ):
+            while not any(p.is_file() for p in staging.rglob("*")) and time.monotonic() < wait_for_files:
                 assert proc.poll() is None, log.read_text()
                 time.sleep(0.005)
             os.kill(proc.pid, signal.SIGKILL)
@@ -364,10 +359,7 @@ def test_cached_then_changed_input_reruns(killed: Killed, tiny_llama: Path) -> N
     assert entry["status"] == "done"
     assert entry["key"] != killed.resumed_entry["key"]
     assert entry["inputs"]["quantize"]["calibration"]["num_samples"] == 3
-    assert (
-        entry["metrics"]["calibration_tokens"]
-        > killed.resumed_entry["metrics"]["calibration_tokens"]
-    )
+    assert entry["metrics"]["calibration_tokens"] > killed.resumed_entry["metrics"]["calibration_tokens"]
     assert entry["outputs"]["artifact"] == fingerprint(run_dir / "artifact")
 
 

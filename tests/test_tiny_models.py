@@ -115,9 +115,7 @@ def test_forward_is_finite_and_not_uniform(arch: str, arch_dirs: dict[str, Path]
     assert model.config.model_type == arch
     assert model.get_input_embeddings().weight.shape[0] == len(tok) == 512
 
-    enc = tok.apply_chat_template(
-        MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
+    enc = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     input_ids = enc["input_ids"]
     with torch.no_grad():
         logits = model(**enc).logits.float()
@@ -179,9 +177,7 @@ def test_moe_has_router_and_experts(tiny_qwen3_moe: Path) -> None:
 
     # The router really spreads tokens over several experts.
     chosen: list[torch.Tensor] = []
-    hook = modules["model.layers.0.mlp.gate"].register_forward_hook(
-        lambda _m, _i, out: chosen.append(out[2].flatten())
-    )
+    hook = modules["model.layers.0.mlp.gate"].register_forward_hook(lambda _m, _i, out: chosen.append(out[2].flatten()))
     try:
         with torch.no_grad():
             model(torch.arange(3, 131).unsqueeze(0))

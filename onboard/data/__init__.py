@@ -5,6 +5,7 @@ from onboard.data.builtin import TRAFFIC_TYPES, builtin_records
 from onboard.data.fingerprint import fingerprint_path
 from onboard.data.holdout import Split, split_of
 from onboard.data.load import load_records
+from onboard.data.mix import interleave, tokens_by_traffic
 from onboard.data.record import Message, Record
 from onboard.data.render import pack_tokens, render, tokenize_records
 from onboard.data.stdlib_code import stdlib_code_records
@@ -16,10 +17,12 @@ __all__ = [
     "Split",
     "builtin_records",
     "fingerprint_path",
+    "interleave",
     "load_records",
     "pack_tokens",
     "render",
     "split_of",
     "stdlib_code_records",
     "tokenize_records",
+    "tokens_by_traffic",
 ]

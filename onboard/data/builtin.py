@@ -82,8 +82,7 @@ def _rows(root: Path, split: Split) -> list[Record]:
                 raise data_error(f"{where}: {exc}") from None
             if record is not None and record.traffic not in TRAFFIC_TYPES:
                 raise data_error(
-                    f"{where}: unknown traffic type {record.traffic!r}: "
-                    f"expected one of {', '.join(TRAFFIC_TYPES)}"
+                    f"{where}: unknown traffic type {record.traffic!r}: expected one of {', '.join(TRAFFIC_TYPES)}"
                 )
             if record is not None and split_of(key) == split:
                 records.append(record)

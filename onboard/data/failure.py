@@ -4,10 +4,7 @@ from pathlib import Path
 
 from onboard.errors import OnboardError
 
-FIELD_HINT = (
-    "expected a field named text, prompt, question, instruction or Instruction, "
-    "or chat messages/turns"
-)
+FIELD_HINT = "expected a field named text, prompt, question, instruction or Instruction, or chat messages/turns"
 
 
 def data_error(message: str) -> OnboardError:

@@ -24,9 +24,7 @@ def iter_jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise data_error(
-                        f"{path}:{lineno}: invalid JSON: {exc.msg} (column {exc.colno})"
-                    ) from None
+                    raise data_error(f"{path}:{lineno}: invalid JSON: {exc.msg} (column {exc.colno})") from None
                 yield lineno, row
     except OSError as exc:
         raise unreadable(path, exc) from None
@@ -46,9 +44,7 @@ def load_json(path: Path) -> list[Record]:
         with path.open(encoding="utf-8-sig") as file:
             data = json.load(file)
     except json.JSONDecodeError as exc:
-        raise data_error(
-            f"{path}:{exc.lineno}: invalid JSON: {exc.msg} (column {exc.colno})"
-        ) from None
+        raise data_error(f"{path}:{exc.lineno}: invalid JSON: {exc.msg} (column {exc.colno})") from None
     except UnicodeDecodeError as exc:
         raise data_error(f"{path}: not UTF-8 text: {exc.reason}") from None
     except OSError as exc:

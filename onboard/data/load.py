@@ -38,8 +38,7 @@ def load_records(path: str | Path) -> list[Record]:
         if loader is None:
             kinds = ", ".join(FILE_LOADERS)
             raise data_error(
-                f"{path}: unsupported file type {path.suffix or '(no extension)'!r}: "
-                f"expected {kinds}, or a directory"
+                f"{path}: unsupported file type {path.suffix or '(no extension)'!r}: expected {kinds}, or a directory"
             )
         records = loader(path)
         hint = "the file is empty" if loader is load_txt else FIELD_HINT

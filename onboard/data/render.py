@@ -29,9 +29,7 @@ def render(record: Record, tokenizer: Any, *, chat: bool) -> str:
     return "\n\n".join(m.content for m in record.messages or ())
 
 
-def tokenize_records(
-    records: Iterable[Record], tokenizer: Any, *, chat: bool, max_length: int
-) -> list[list[int]]:
+def tokenize_records(records: Iterable[Record], tokenizer: Any, *, chat: bool, max_length: int) -> list[list[int]]:
     """Token ids of each rendered record, cut to `max_length`; empty results are dropped."""
     if max_length < 1:
         raise ValueError(f"max_length must be at least 1, got {max_length}")

@@ -78,9 +78,7 @@ def _content(value: Any, field: str, index: int) -> str:
     # Multimodal-style content: a list of parts, of which we keep the text ones.
     if isinstance(value, list) and all(isinstance(part, Mapping) for part in value):
         return "\n".join(
-            part["text"]
-            for part in value
-            if part.get("type") == "text" and isinstance(part.get("text"), str)
+            part["text"] for part in value if part.get("type") == "text" and isinstance(part.get("text"), str)
         )
     raise ValueError(f"{field}[{index}].content must be a string, got {_kind(value)}")
 

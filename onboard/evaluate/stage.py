@@ -1,5 +1,6 @@
 """The eval stage: the artifact against its reference on the same held-out tokens."""
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -8,7 +9,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from onboard import atomic
-from onboard.data import builtin_records, load_records, pack_tokens, tokenize_records
+from onboard.data import builtin_records, load_records, pack_tokens, tokens_by_traffic
 from onboard.errors import OnboardError
 from onboard.evaluate.kl import KLStats
 from onboard.evaluate.logits import logit_chunks
@@ -21,13 +22,23 @@ from onboard.workspace import RunDir, Stage, console
 CHUNK = 128  # positions per float32 logit block: 128 x vocab floats at a time
 
 
-def eval_windows(tokenizer, settings: Eval, data: Path | None) -> list[list[int]]:
-    """Held-out text as plain token windows; by default the eval split, never calibration."""
+def eval_windows(tokenizer, settings: Eval, data: Path | None) -> list[tuple[str, list[int]]]:
+    """Held-out text as (traffic, token window) pairs, each window from one traffic type.
+
+    By default the built-in eval split, never calibration text; plain text, not chat-templated,
+    so that a template's repeated system prompt does not pad the statistics.
+    """
     records = load_records(data) if data else builtin_records("eval", settings.traffic)
-    token_lists = tokenize_records(records, tokenizer, chat=False, max_length=10 * settings.window)
-    windows = pack_tokens(
-        token_lists, window=settings.window, max_tokens=settings.max_tokens, separator=tokenizer.eos_token_id
+    groups = tokens_by_traffic(
+        records, tokenizer, chat=False, max_tokens=settings.max_tokens, max_length=settings.max_tokens
     )
+    windows = [
+        (traffic, window)
+        for traffic, documents in groups.items()
+        for window in pack_tokens(
+            documents, window=settings.window, max_tokens=settings.max_tokens, separator=tokenizer.eos_token_id
+        )
+    ]
     if not windows:
         raise OnboardError(f"{data or 'the built-in eval split'} gives no token windows to evaluate")
     return windows
@@ -44,23 +55,37 @@ def kl_table(result: dict[str, Any], title: str) -> Table:
     table.add_row("perplexity reference / quantized", f"{result['ppl_reference']:.3f} / {result['ppl_quantized']:.3f}")
     table.add_row("tokens", str(result["num_tokens"]))
     table.add_row("effective bits per weight", f"{result['effective_bits']:.3f}")
+    for traffic, part in result.get("by_traffic", {}).items():
+        table.add_row(
+            f"  {traffic}: mean KLD / same top / tokens",
+            f"{part['mean_kld']:.4f} / {100 * part['top1_agreement']:.1f} % / {part['num_tokens']}",
+        )
     return table
 
 
-def measure_kl(reference, quantized, windows: list[list[int]]) -> KLStats:
-    stats = KLStats()
-    columns = (TextColumn("KL eval"), BarColumn(), TextColumn("{task.completed}/{task.total} windows"),
-               TimeElapsedColumn(), TimeRemainingColumn())
+def measure_kl(reference, quantized, windows: list[tuple[str, list[int]]]) -> dict[str, KLStats]:
+    """KL statistics overall ("all") and per traffic type."""
+    stats: dict[str, KLStats] = {"all": KLStats()}
+    columns = (
+        TextColumn("KL eval"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} windows"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("eval", total=len(windows))
-        for window in windows:
+        for traffic, window in windows:
             ids = torch.tensor([window])
             targets = ids[0, 1:]
             start = 0
-            for ref_chunk, quant_chunk in zip(
+            chunks = zip(
                 logit_chunks(reference, ids[:, :-1], CHUNK), logit_chunks(quantized, ids[:, :-1], CHUNK), strict=True
-            ):
-                stats.update(ref_chunk, quant_chunk, targets[start : start + len(ref_chunk)])
+            )
+            for ref_chunk, quant_chunk in chunks:
+                chunk_targets = targets[start : start + len(ref_chunk)]
+                for key in ("all", traffic):
+                    stats.setdefault(key, KLStats()).update(ref_chunk, quant_chunk, chunk_targets)
                 start += len(ref_chunk)
             progress.advance(task)
     return stats
@@ -79,8 +104,9 @@ def run_eval(run: RunDir, settings: Eval, data: Path | None, out: Path | None = 
         reference = load_model(reference_ckpt)
         quantized = load_model(artifact_ckpt)
         stats = measure_kl(reference, quantized, windows)
-        result = {**stats.summary(), "effective_bits": quantize["metrics"]["effective_bits"]}
+        result = {**stats.pop("all").summary(), "effective_bits": quantize["metrics"]["effective_bits"]}
         result["data"] = str(data) if data else "builtin:eval"
+        result["by_traffic"] = {traffic: s.summary() for traffic, s in stats.items()}
         atomic.write_json(stage.path("eval/kl.json"), result)
         return {k: result[k] for k in ("mean_kld", "top1_agreement", "num_tokens", "effective_bits")}
 
@@ -91,7 +117,7 @@ def run_eval(run: RunDir, settings: Eval, data: Path | None, out: Path | None = 
         "data": fingerprint(data) if data else f"builtin:{fingerprint(CALIBRATION_DIR)}",
     }
     entry = run.run_stage("eval", inputs, outputs=["eval"], body=body)
-    result = __import__("json").loads((run.root / "eval/kl.json").read_text())
+    result = json.loads((run.root / "eval/kl.json").read_text())
     console.print(kl_table(result, f"KL divergence of {quantize['metrics']['scheme']} against the reference"))
     if out:
         atomic.write_json(out, result)

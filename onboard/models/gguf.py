@@ -22,9 +22,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
     staging = out_dir.with_name(f".{out_dir.name}.partial")
     atomic.remove(staging)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.bfloat16
-        )
+        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.bfloat16)
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     except (ValueError, OSError, KeyError, struct.error) as err:
         raise OnboardError(f"{gguf_file}: transformers cannot read this GGUF file: {str(err).splitlines()[0]}") from err

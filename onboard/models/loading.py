@@ -55,7 +55,9 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16) -> P
             trust_remote_code=checkpoint.trust_remote_code,
         )
     except ValueError as err:
-        raise OnboardError(f"{checkpoint.path}: transformers cannot load it as a causal LM: {str(err).splitlines()[0]}") from err
+        raise OnboardError(
+            f"{checkpoint.path}: transformers cannot load it as a causal LM: {str(err).splitlines()[0]}"
+        ) from err
     _decompress(model)
     return model.eval()
 

@@ -29,7 +29,9 @@ def load_quantized_moe(path: Path, dtype: torch.dtype, trust_remote_code: bool) 
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from llmcompressor.modeling.moe.linearize import linearize_moe
 
-    quantization = QuantizationConfig.model_validate(json.loads((path / "config.json").read_text())["quantization_config"])
+    quantization = QuantizationConfig.model_validate(
+        json.loads((path / "config.json").read_text())["quantization_config"]
+    )
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)

@@ -31,9 +31,7 @@ def make_row(traffic: str, i: int) -> dict[str, object]:
 def root(tmp_path: Path) -> Path:
     for traffic in TRAFFIC_TYPES:
         rows = [make_row(traffic, i) for i in range(ROWS_PER_TYPE)]
-        (tmp_path / f"{traffic}.jsonl").write_text(
-            "".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8"
-        )
+        (tmp_path / f"{traffic}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return tmp_path
 
 
@@ -140,9 +138,7 @@ def test_missing_traffic_in_split(tmp_path: Path) -> None:
         builtin_records("calib", ["chat"], root=tmp_path)
 
 
-@pytest.mark.skipif(
-    not any(CALIBRATION_DIR.glob("*.jsonl")), reason="calibration_data/ not written yet"
-)
+@pytest.mark.skipif(not any(CALIBRATION_DIR.glob("*.jsonl")), reason="calibration_data/ not written yet")
 def test_shipped_calibration_data() -> None:
     calib = builtin_records("calib")
     evaluation = builtin_records("eval")

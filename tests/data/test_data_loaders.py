@@ -268,9 +268,7 @@ def test_unsupported_extension(tmp_path: Path) -> None:
 def test_no_usable_text(tmp_path: Path, name: str, content: str) -> None:
     path = tmp_path / name
     path.write_text(content, encoding="utf-8")
-    assert_one_line_error(
-        path, "contains no usable text: expected a field named text, prompt, question"
-    )
+    assert_one_line_error(path, "contains no usable text: expected a field named text, prompt, question")
 
 
 def test_empty_txt_and_directory(tmp_path: Path) -> None:

@@ -33,9 +33,7 @@ def plain_tokenizer() -> transformers.PreTrainedTokenizerFast:
         show_progress=False,
     )
     bpe.train_from_iterator(CORPUS, trainer=trainer)
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +83,7 @@ def test_chat_template(chat_tokenizer: transformers.PreTrainedTokenizerFast) -> 
     assert render(CHAT, chat_tokenizer, chat=True) == (
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"
     )
-    assert render(ASKING, chat_tokenizer, chat=True).endswith(
-        "Sum it up<|im_end|>\n<|im_start|>assistant\n"
-    )
+    assert render(ASKING, chat_tokenizer, chat=True).endswith("Sum it up<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_template_errors_name_the_record(

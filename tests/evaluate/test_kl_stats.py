@@ -19,9 +19,7 @@ TARGETS = [1, 2, 0]
 
 def as_logits(probs: list[list[float]], shift: list[float]) -> torch.Tensor:
     """log p plus an arbitrary per-row constant: softmax must not care about the shift."""
-    return torch.tensor(
-        [[math.log(p) + s for p in row] for row, s in zip(probs, shift, strict=True)]
-    )
+    return torch.tensor([[math.log(p) + s for p in row] for row, s in zip(probs, shift, strict=True)])
 
 
 def hand_kl(p: list[float], q: list[float]) -> float:
@@ -39,9 +37,7 @@ def linear_percentile(values: list[float], pct: float) -> float:
 
 def test_hand_computed_example() -> None:
     stats = KLStats()
-    kl = stats.update(
-        as_logits(P, [0.0, 3.0, -1.5]), as_logits(Q, [2.0, -4.0, 0.5]), torch.tensor(TARGETS)
-    )
+    kl = stats.update(as_logits(P, [0.0, 3.0, -1.5]), as_logits(Q, [2.0, -4.0, 0.5]), torch.tensor(TARGETS))
     expected_kl = [hand_kl(p, q) for p, q in zip(P, Q, strict=True)]
     assert expected_kl[2] == 0.0
     assert kl.tolist() == pytest.approx(expected_kl, abs=1e-6)
@@ -101,9 +97,7 @@ def test_summary_against_numpy_and_chunking() -> None:
     chunked = KLStats()
     start = 0
     for size in (1, 37, 62, 100, 100):
-        chunked.update(
-            ref[start : start + size], quant[start : start + size], targets[start : start + size]
-        )
+        chunked.update(ref[start : start + size], quant[start : start + size], targets[start : start + size])
         start += size
     assert start == len(ref)
     single = KLStats()

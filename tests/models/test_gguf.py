@@ -63,10 +63,7 @@ def test_fixture_is_a_real_deterministic_gguf(tiny_gguf: Path, tmp_path: Path) -
 
     again = gguf_fixture.build_tiny_gguf(tmp_path / "again.gguf")
     assert again.read_bytes() == tiny_gguf.read_bytes()
-    assert (
-        gguf_fixture.build_tiny_gguf(tmp_path / "s1.gguf", seed=1).read_bytes()
-        != again.read_bytes()
-    )
+    assert gguf_fixture.build_tiny_gguf(tmp_path / "s1.gguf", seed=1).read_bytes() != again.read_bytes()
 
     reader = gguf.GGUFReader(tiny_gguf)
     assert reader.get_field("general.architecture").contents() == "llama"
@@ -89,9 +86,7 @@ def test_convert_writes_a_bf16_safetensors_checkpoint(converted: Path) -> None:
     names = {p.name for p in converted.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= names
     assert not [n for n in names if n.endswith((".bin", ".gguf", ".pt"))]
-    assert not [p for p in converted.parent.iterdir() if p.name.startswith(".")], (
-        "staging left over"
-    )
+    assert not [p for p in converted.parent.iterdir() if p.name.startswith(".")], "staging left over"
 
     config = json.loads((converted / "config.json").read_text())
     assert "quantization_config" not in config
@@ -154,10 +149,7 @@ def test_converted_tokenizer_and_chat_template(converted: Path, tmp_path: Path) 
     expected = reference.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert ours == expected
     assert ours.endswith("<|im_start|>assistant\n")
-    assert (
-        tokenizer(ours, add_special_tokens=False).input_ids
-        == reference(ours, add_special_tokens=False).input_ids
-    )
+    assert tokenizer(ours, add_special_tokens=False).input_ids == reference(ours, add_special_tokens=False).input_ids
     # the template travels with the checkpoint, not only in memory
     assert AutoTokenizer.from_pretrained(converted).chat_template == tiny_models.CHAT_TEMPLATE
 
@@ -172,9 +164,7 @@ def test_converted_tokenizer_and_chat_template(converted: Path, tmp_path: Path) 
         pytest.param(tiny_models.BOS_TOKEN_ID, tiny_models.BOS_TOKEN, id="eos=bos"),
     ],
 )
-def test_converted_special_tokens_agree_with_config(
-    gguf_eos: int, want_eos: str, tmp_path: Path
-) -> None:
+def test_converted_special_tokens_agree_with_config(gguf_eos: int, want_eos: str, tmp_path: Path) -> None:
     gguf_file = gguf_fixture.build_tiny_gguf(tmp_path / "tiny.gguf", eos_token_id=gguf_eos)
     # What transformers itself makes of the file (the premise of fix_special_tokens).
     raw = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
@@ -234,9 +224,7 @@ def test_resolve_model_converts_once_into_the_cache(
     monkeypatch.setattr(gguf_module, "convert_gguf", no_second_conversion)
     again = resolve_model(tiny_gguf)
     assert again.path == out
-    assert {
-        p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in [out, *out.iterdir()]
-    } == before
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in [out, *out.iterdir()]} == before
     # `~` is expanded, as for checkpoint directories
     monkeypatch.setenv("HOME", str(tiny_gguf.parent.parent))
     tilde = Path("~") / tiny_gguf.parent.name / tiny_gguf.name
@@ -251,15 +239,11 @@ def test_cache_key_follows_the_file_content(tiny_gguf: Path, cache: Path, tmp_pa
     assert second.parent == first.parent == cache / "gguf"
 
 
-def test_cache_discards_a_crashed_conversion(
-    tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_cache_discards_a_crashed_conversion(tiny_gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A half-written `.partial` (or a dir without config.json) is redone, not trusted."""
     calls = []
     real = gguf_module.convert_gguf
-    monkeypatch.setattr(
-        gguf_module, "convert_gguf", lambda src, dst: calls.append(dst) or real(src, dst)
-    )
+    monkeypatch.setattr(gguf_module, "convert_gguf", lambda src, dst: calls.append(dst) or real(src, dst))
     out = converted_gguf(tiny_gguf)
     atomic_partial = out.with_name(f".{out.name}.partial")
     (out / "config.json").unlink()
@@ -320,9 +304,7 @@ def test_damaged_gguf_is_a_one_line_onboard_error(make, tiny_gguf: Path, tmp_pat
 
 
 @pytest.mark.parametrize("keep", [4, 100, 5000], ids=["magic-only", "in-header", "in-metadata"])
-def test_truncated_gguf_header_is_an_onboard_error(
-    keep: int, tiny_gguf: Path, tmp_path: Path
-) -> None:
+def test_truncated_gguf_header_is_an_onboard_error(keep: int, tiny_gguf: Path, tmp_path: Path) -> None:
     bad = tmp_path / "truncated.gguf"
     bad.write_bytes(tiny_gguf.read_bytes()[:keep])
     with pytest.raises(OnboardError) as err:

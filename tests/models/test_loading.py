@@ -55,9 +55,7 @@ def test_existing_pad_is_kept(tokenizer, config) -> None:
     )
 
 
-@pytest.mark.parametrize(
-    "eos", [tiny_models.BOS_TOKEN_ID, [tiny_models.BOS_TOKEN_ID, tiny_models.EOS_TOKEN_ID]]
-)
+@pytest.mark.parametrize("eos", [tiny_models.BOS_TOKEN_ID, [tiny_models.BOS_TOKEN_ID, tiny_models.EOS_TOKEN_ID]])
 def test_eos_follows_the_model_config(tokenizer, config, eos) -> None:
     """A GGUF-style tokenizer whose eos disagrees with the config: the config wins."""
     config.eos_token_id = eos
@@ -134,20 +132,12 @@ def stored_tensors(directory: Path) -> dict[str, torch.Tensor]:
         return {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118
 
 
-def test_load_model_decompresses_so_the_decoder_runs_alone(
-    artifact: Path, tiny_llama: Path
-) -> None:
+def test_load_model_decompresses_so_the_decoder_runs_alone(artifact: Path, tiny_llama: Path) -> None:
     """Regression: transformers defers decompression to a hook on the top-level forward, so the
     KL eval's `model.base_model(...)` on a fresh model would meet packed weights."""
     model = load_model(inspect_checkpoint(artifact))
     assert not model.training
-    ids = torch.tensor(
-        [
-            load_tokenizer(inspect_checkpoint(tiny_llama))("def mean(values): return 2 + 2")[
-                "input_ids"
-            ]
-        ]
-    )
+    ids = torch.tensor([load_tokenizer(inspect_checkpoint(tiny_llama))("def mean(values): return 2 + 2")["input_ids"]])
 
     # The very first call is the decoder alone.
     with torch.no_grad():
@@ -162,9 +152,7 @@ def test_load_model_returns_the_stored_weights_decoded(artifact: Path, tiny_llam
     model = load_model(inspect_checkpoint(artifact))
     stored = stored_tensors(artifact)
     reference = stored_tensors(tiny_llama)
-    linears = [
-        name.removesuffix(".weight_packed") for name in stored if name.endswith(".weight_packed")
-    ]
+    linears = [name.removesuffix(".weight_packed") for name in stored if name.endswith(".weight_packed")]
     assert len(linears) == 7 * tiny_models.NUM_HIDDEN_LAYERS
     for name in linears:
         module = model.get_submodule(name)
@@ -177,9 +165,7 @@ def test_load_model_returns_the_stored_weights_decoded(artifact: Path, tiny_llam
         codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
         scale = stored[f"{name}.weight_scale"].float() / stored[f"{name}.weight_global_scale"]
         decoded = E2M1[codes.long()] * scale.repeat_interleave(16, dim=1)
-        torch.testing.assert_close(
-            weight.float(), decoded.to(torch.bfloat16).float(), rtol=0, atol=0
-        )
+        torch.testing.assert_close(weight.float(), decoded.to(torch.bfloat16).float(), rtol=0, atol=0)
         assert not torch.equal(weight, reference[f"{name}.weight"])  # quantized, not the original
     assert torch.equal(model.lm_head.weight, reference["lm_head.weight"])
 

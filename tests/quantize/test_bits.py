@@ -51,9 +51,7 @@ LAYERS = [
     ("model.embed_tokens", "bf16", VOCAB, HIDDEN, 16.0),
     ("lm_head", "bf16", VOCAB, HIDDEN, 16.0),
 ]
-QUANTIZABLE = [
-    layer for layer in LAYERS if layer[0].startswith("model.layers.") and "gate" not in layer[0]
-]
+QUANTIZABLE = [layer for layer in LAYERS if layer[0].startswith("model.layers.") and "gate" not in layer[0]]
 
 
 @pytest.fixture
@@ -115,9 +113,7 @@ def test_effective_bits_is_a_weighted_average(checkpoint: Path) -> None:
         )
 
     assert effective_bits(layers) == pytest.approx(average(QUANTIZABLE), abs=2e-4)
-    assert effective_bits(layers, only_quantizable=False) == pytest.approx(
-        average(LAYERS), abs=2e-4
-    )
+    assert effective_bits(layers, only_quantizable=False) == pytest.approx(average(LAYERS), abs=2e-4)
     # The large bf16 embedding and head pull the all-weights average well above.
     assert effective_bits(layers, only_quantizable=False) > effective_bits(layers) + 2
 

@@ -53,9 +53,7 @@ def dequant_nvfp4(stored: dict[str, torch.Tensor], module: str) -> torch.Tensor:
     """FP4 values (two per byte, low nibble first) x FP8 block scale / FP32 global scale."""
     packed = stored[f"{module}.weight_packed"]
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
-    scale = (
-        stored[f"{module}.weight_scale"].float() / stored[f"{module}.weight_global_scale"].float()
-    )
+    scale = stored[f"{module}.weight_scale"].float() / stored[f"{module}.weight_global_scale"].float()
     return E2M1[codes.long()] * scale.repeat_interleave(16, dim=1)
 
 
@@ -152,9 +150,7 @@ def test_nvfp4_weights_dequantize_to_the_originals(llama_nvfp4, llama_reference)
         # Each block of 16 has scale ~ amax/6; FP4's widest step (4 -> 6) is 2 scales, so
         # round-to-nearest is off by at most ~amax/6 (plus FP8 rounding of the scale).
         block_amax = original.abs().reshape(original.shape[0], -1, 16).amax(-1, keepdim=True)
-        assert (error.reshape(block_amax.shape[0], -1, 16) <= block_amax / 6 * 1.15 + 1e-6).all(), (
-            module
-        )
+        assert (error.reshape(block_amax.shape[0], -1, 16) <= block_amax / 6 * 1.15 + 1e-6).all(), module
         assert error.max() > 0  # it was quantized
 
 
@@ -198,9 +194,7 @@ def test_nvfp4_selection_and_metrics(llama_nvfp4, llama_reference, tiny_llama: P
         assert layer["quantizable"] is True
         assert layer["weights"] == out * inp
         assert layer["bits"] == pytest.approx(4 + 8 / 16 + 32 / (out * inp), abs=1e-4)
-    expected = sum(4.5 * o * i + 32 for o, i in linears.values()) / sum(
-        o * i for o, i in linears.values()
-    )
+    expected = sum(4.5 * o * i + 32 for o, i in linears.values()) / sum(o * i for o, i in linears.values())
     assert selection["effective_bits"] == pytest.approx(expected, abs=1e-4)
     assert selection["layers"]["lm_head"] == {
         "format": "bf16",
@@ -334,9 +328,7 @@ def test_weight_scheme_kl(llama_weight_only, tiny_llama: Path) -> None:
 def moe_nvfp4(quantized, tiny_qwen3_moe: Path):
     recipe, path = recipe_for(["Qwen3MoeForCausalLM"])
     assert path is not None and path.name == "qwen3_moe.yaml"
-    settings = Quantize.model_validate(
-        {**recipe.quantize.model_dump(), "calibration": CALIB.model_dump()}
-    )
+    settings = Quantize.model_validate({**recipe.quantize.model_dump(), "calibration": CALIB.model_dump()})
     return quantized(tiny_qwen3_moe, settings, "moe_nvfp4"), settings
 
 
@@ -394,9 +386,7 @@ def test_moe_reloaded_experts_are_the_stored_ones(moe_nvfp4) -> None:
         for name in expert_modules(layer):
             module = modules[name]
             assert module.quantization_scheme.input_activations is not None  # W4A4 kept
-            torch.testing.assert_close(
-                module.weight.float(), dequant_nvfp4(stored, name), rtol=2**-7, atol=1e-6
-            )
+            torch.testing.assert_close(module.weight.float(), dequant_nvfp4(stored, name), rtol=2**-7, atol=1e-6)
 
 
 def test_qwen3_tied_embeddings(quantized, tiny_qwen3: Path) -> None:
