@@ -2,7 +2,6 @@
 into token windows."""
 
 from onboard.data.builtin import TRAFFIC_TYPES, builtin_records
-from onboard.data.fingerprint import fingerprint_path
 from onboard.data.holdout import Split, split_of
 from onboard.data.load import load_records
 from onboard.data.mix import interleave, tokens_by_traffic
@@ -16,7 +15,6 @@ __all__ = [
     "Record",
     "Split",
     "builtin_records",
-    "fingerprint_path",
     "interleave",
     "load_records",
     "pack_tokens",

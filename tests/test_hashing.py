@@ -1,12 +1,12 @@
-"""`fingerprint_path`: content hashes of files and directories."""
+"""`onboard.hashing.fingerprint`: content hashes of files and directories."""
 
 import hashlib
 from pathlib import Path
 
 import pytest
 
-from onboard.data import fingerprint_path
 from onboard.errors import OnboardError
+from onboard.hashing import fingerprint as fingerprint_path
 
 
 def test_file_is_sha256_of_bytes(tmp_path: Path) -> None:
@@ -49,3 +49,20 @@ def test_moved_bytes_between_files_change_the_hash(tmp_path: Path) -> None:
 def test_missing_path(tmp_path: Path) -> None:
     with pytest.raises(OnboardError, match="no such file or directory"):
         fingerprint_path(tmp_path / "missing")
+
+
+def test_large_files_are_sampled_at_both_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import onboard.hashing
+
+    monkeypatch.setattr(onboard.hashing, "FULL_HASH_LIMIT", 4 * 2**20)
+    path = tmp_path / "big.safetensors"
+    path.write_bytes(bytes(5 * 2**20))
+    first = fingerprint_path(path)
+    with open(path, "r+b") as handle:  # same size, last byte changed, same mtime
+        stat = path.stat()
+        handle.seek(-1, 2)
+        handle.write(b"\1")
+    import os
+
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert fingerprint_path(path) != first
