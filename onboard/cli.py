@@ -181,6 +181,65 @@ def run(
     )
 
 
+@app.command()
+def adapt(
+    path: Annotated[Path, typer.Argument(help="a run directory (its artifact) or a checkpoint directory")],
+    out: Annotated[Path | None, typer.Option(help="where adapt/parity.json goes (default: the run directory)")] = None,
+    allow_pickle: PickleOpt = False,
+) -> None:
+    """Map the checkpoint onto the reference engine and prove logit parity with transformers."""
+    from onboard.adapt.stage import resolve_target, run_adapt
+    from onboard.models import inspect_checkpoint
+    from onboard.workspace import RunDir
+
+    model_dir, run_dir = resolve_target(path, out)
+    checkpoint = inspect_checkpoint(model_dir, allow_pickle=allow_pickle)
+    with RunDir(run_dir) as run:
+        run_adapt(run, checkpoint)
+
+
+@app.command()
+def bench(
+    path: Annotated[Path, typer.Argument(help="a run directory (its artifact) or a checkpoint directory")],
+    data: Annotated[Path | None, typer.Option(help="prompts (default: the project's eval split)")] = None,
+    out: Annotated[Path | None, typer.Option(help="also write the figures to this JSON file")] = None,
+) -> None:
+    """Engine against transformers.generate: tokens/s at concurrency 1 and 16, prefix-cache TTFT."""
+    from onboard import atomic
+    from onboard.bench import bench_table, run_bench
+    from onboard.models import inspect_checkpoint
+    from onboard.workspace import console
+
+    model_dir = path / "artifact" if (path / "manifest.json").is_file() else path
+    checkpoint = inspect_checkpoint(model_dir)
+    result = run_bench(checkpoint, _existing_data(data))
+    console.print(bench_table(result))
+    if out:
+        atomic.write_json(out, result)
+
+
+@app.command()
+def serve(
+    path: Annotated[Path, typer.Argument(help="a run directory (its artifact) or a checkpoint directory")],
+    host: Annotated[str, typer.Option(help="address to bind (127.0.0.1: this machine only)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    api_key: Annotated[str | None, typer.Option(help="require `Authorization: Bearer KEY` (not on /health)")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="the model id (default: the directory name)")] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="prompt + completion tokens (default: 4096)")] = None,
+    device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
+) -> None:
+    """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics) on the engine."""
+    from onboard.engine.config import EngineConfig
+    from onboard.server import serve as run_server
+
+    model_dir = path / "artifact" if (path / "manifest.json").is_file() else path
+    if not (model_dir / "config.json").is_file():
+        raise OnboardError(f"{model_dir} has no config.json: not a checkpoint (or a run without an artifact)")
+    config = EngineConfig(max_model_len=max_model_len) if max_model_len else EngineConfig()
+    name = served_model_name or path.resolve().name
+    run_server(model_dir, model_name=name, host=host, port=port, api_key=api_key, engine_config=config, device=device)
+
+
 # The quick profile keeps CI and a first look short; full uses the recipe's own numbers.
 DEMO_PROFILES = {"quick": {"samples": 16, "max_tokens": 4096}, "full": {"samples": None, "max_tokens": None}}
 

@@ -1,0 +1,1 @@
+"""The adapt stage: map a checkpoint onto the reference engine and prove logit parity."""

@@ -1,0 +1,232 @@
+"""Causal attention over the paged KV cache, with torch's scaled_dot_product_attention.
+
+`AttentionMetadata.build(batch, device)` turns a `ForwardBatch` into the index tensors and masks
+one step needs; the model builds it once per forward and every layer reuses it.  Per layer,
+`paged_attention` writes the step's new K/V into the cache and then attends:
+
+* decode rows (sequences with one new token; all of a decode-only batch, or the decode part of a
+  mixed batch): every sequence's cached context is gathered block-wise into one padded
+  `[B, kvh, L, d]` batch and attended with ONE SDPA call, a key-padding mask hiding the padding
+  (no mask at all for a single sequence: its context is sliced to length);
+* prefill rows (a sequence with several new tokens): one SDPA call per sequence.  A sequence whose
+  whole context is new this step attends over its own new K/V with `is_causal=True` (nothing read
+  back from the cache); one that continues a cached prefix (chunked prefill, prefix-cache hit)
+  gathers its context from the cache and uses an explicit boolean mask, because its queries are the
+  LAST `query_len` of `context_len` positions (SDPA's `is_causal` aligns them to the first).
+
+Sliding windows (mistral, qwen2 sliding layers) add `key > query - window` to the masks, as
+transformers' `sliding_window_overlay` does; all KV stays in the cache.
+GQA uses SDPA's `enable_gqa=True` (no repeated K/V).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from onboard.engine.batch import ForwardBatch
+from onboard.engine.kv_cache import KVCache
+
+
+@dataclass
+class _PrefillSeq:
+    start: int  # rows [start, end) of the step's tokens
+    end: int
+    context_len: int
+    block_table: torch.Tensor | None  # blocks holding the context; None when all of it is new this step
+    mask: torch.Tensor | None  # [query_len, context_len] bool; None: plain causal over the new tokens
+
+    @property
+    def query_len(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class AttentionMetadata:
+    """What every layer's attention needs for one step, built once from a `ForwardBatch`."""
+
+    slot_mapping: torch.Tensor  # [T]
+    num_tokens: int
+    block_size: int
+    prefill: list[_PrefillSeq]
+    # Decode group (sequences with one new token); None if there is none.
+    decode_rows: torch.Tensor | slice | None = None  # their rows among the T tokens
+    decode_block_tables: torch.Tensor | None = None  # [B, max blocks] (padded with block 0)
+    decode_block_range: tuple[int, int] | None = None  # one sequence on consecutive blocks: read a view
+    decode_context_lens: list[int] = field(default_factory=list)
+    decode_len: int = 0  # keys per sequence after slicing the gathered blocks (the longest context)
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, decode_len] bool; None: no padding
+    _window_masks: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, device: torch.device | str) -> "AttentionMetadata":
+        device = torch.device(device)
+        block_size = batch.block_size
+        prefill: list[_PrefillSeq] = []
+        decode_seqs: list[int] = []
+        decode_rows: list[int] = []
+        start = 0
+        for i, (q_len, ctx_len) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
+            end = start + q_len
+            if q_len == 1:
+                decode_seqs.append(i)
+                decode_rows.append(start)
+            elif q_len > 1:
+                if ctx_len == q_len:
+                    prefill.append(_PrefillSeq(start, end, ctx_len, None, None))
+                else:
+                    nblocks = -(-ctx_len // block_size)
+                    table = torch.tensor(batch.block_tables[i][:nblocks], dtype=torch.long, device=device)
+                    offset = ctx_len - q_len
+                    mask = torch.arange(ctx_len, device=device)[None, :] <= (
+                        torch.arange(q_len, device=device)[:, None] + offset
+                    )
+                    prefill.append(_PrefillSeq(start, end, ctx_len, table, mask))
+            start = end
+        meta = cls(
+            slot_mapping=batch.slot_mapping.to(device, non_blocking=True),
+            num_tokens=start,
+            block_size=block_size,
+            prefill=prefill,
+        )
+        if decode_seqs:
+            ctx = [batch.context_lens[i] for i in decode_seqs]
+            longest = max(ctx)
+            nblocks = -(-longest // block_size)
+            tables = [batch.block_tables[i][: -(-c // block_size)] for i, c in zip(decode_seqs, ctx, strict=True)]
+            tables = [t + [0] * (nblocks - len(t)) for t in tables]
+            if len(tables) == 1 and tables[0] == list(range(tables[0][0], tables[0][0] + nblocks)):
+                meta.decode_block_range = (tables[0][0], tables[0][0] + nblocks)
+            meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
+            meta.decode_context_lens = ctx
+            meta.decode_len = longest
+            if any(c != longest for c in ctx):
+                lens = torch.tensor(ctx, dtype=torch.long, device=device)
+                meta.decode_mask = (torch.arange(longest, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            first, last = decode_rows[0], decode_rows[-1]
+            if last - first + 1 == len(decode_rows):
+                meta.decode_rows = slice(first, last + 1)
+            else:
+                meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+        return meta
+
+    @property
+    def is_decode_only(self) -> bool:
+        return not self.prefill
+
+    def decode_mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The decode key mask, narrowed to the last `window` positions of each context."""
+        if window is None or window >= self.decode_len:
+            return self.decode_mask
+        key = ("decode", window)
+        if key not in self._window_masks:
+            device = self.decode_block_tables.device
+            lens = torch.tensor(self.decode_context_lens, dtype=torch.long, device=device)[:, None]
+            pos = torch.arange(self.decode_len, device=device)[None, :]
+            self._window_masks[key] = ((pos < lens) & (pos >= lens - window))[:, None, None, :]
+        return self._window_masks[key]
+
+    def prefill_mask_for(self, index: int, window: int | None) -> torch.Tensor | None:
+        """The mask of prefill sequence `index` with a sliding window (None: `is_causal` suffices)."""
+        seq = self.prefill[index]
+        if window is None or window >= seq.context_len:
+            return seq.mask
+        key = ("prefill", index, window)
+        if key not in self._window_masks:
+            device = self.slot_mapping.device
+            q_pos = torch.arange(seq.query_len, device=device)[:, None] + (seq.context_len - seq.query_len)
+            k_pos = torch.arange(seq.context_len, device=device)[None, :]
+            self._window_masks[key] = (k_pos <= q_pos) & (k_pos > q_pos - window)
+        return self._window_masks[key]
+
+
+# A speed/parity switch, off by default.  PyTorch's CPU flash-attention kernel is slow in bf16 for
+# single-query rows: one query over 1000 keys (9 heads, d=64, 2 cores) takes ~440 us in bf16 and
+# ~220 us in float32 including the casts (40 keys: 26 vs 14 us); SmolLM2-135M decode at context
+# 1000 gets ~10 ms/token faster.  But float32 skips the bf16 kernel's rounding of the softmax
+# probabilities, which transformers (bf16 SDPA) has: decode logits then drift ~2-3 bf16 ulps from
+# transformers' instead of ~1, enough to flip a near-tied MoE routing decision in the tests.
+DECODE_IN_FLOAT32_ON_CPU = False
+
+
+def _sdpa(q, k, v, mask, scale, is_causal, gqa):
+    if gqa:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal, enable_gqa=True
+        )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    layer: int,
+    cache: KVCache,
+    batch: AttentionMetadata | ForwardBatch,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Write `k_new`/`v_new` (`[T, kvh, d]`) to the cache, attend `q` (`[T, h, d]`) causally over
+    each sequence's full context; returns `[T, h, d]`.
+
+    `batch` should be the step's `AttentionMetadata` (built once, shared by all layers); a
+    `ForwardBatch` is accepted too and turned into one on the spot.
+    """
+    meta = batch if isinstance(batch, AttentionMetadata) else AttentionMetadata.build(batch, q.device)
+    cache.write(layer, k_new, v_new, meta.slot_mapping)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_new.shape[1]
+    gqa = num_heads != num_kv_heads
+
+    decode_out = None
+    if meta.decode_rows is not None:
+        rows = meta.decode_rows
+        q_dec = q[rows] if isinstance(rows, slice) else q.index_select(0, rows)
+        tables = meta.decode_block_tables
+        shape = (tables.shape[0], -1, num_kv_heads, head_dim)
+        if meta.decode_block_range is not None:  # no copy
+            first, last = meta.decode_block_range
+            k = cache.k_caches[layer][first:last].view(shape)[:, : meta.decode_len]
+            v = cache.v_caches[layer][first:last].view(shape)[:, : meta.decode_len]
+        else:
+            k = cache.k_caches[layer].index_select(0, tables.view(-1)).view(shape)[:, : meta.decode_len]
+            v = cache.v_caches[layer].index_select(0, tables.view(-1)).view(shape)[:, : meta.decode_len]
+        mask = meta.decode_mask_for(sliding_window)
+        q_dec, k, v = q_dec.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2)
+        if DECODE_IN_FLOAT32_ON_CPU and q.device.type == "cpu" and q.dtype != torch.float32:
+            out = _sdpa(q_dec.float(), k.float(), v.float(), mask, scale, False, gqa).to(q.dtype)
+        else:
+            out = _sdpa(q_dec, k, v, mask, scale, False, gqa)
+        decode_out = out.squeeze(2)  # [B, h, d]
+        if not meta.prefill:
+            return decode_out
+
+    outputs = []
+    for i, seq in enumerate(meta.prefill):
+        q_i = q[seq.start : seq.end].transpose(0, 1).unsqueeze(0)  # [1, h, q_len, d]
+        if seq.block_table is None:
+            k_i = k_new[seq.start : seq.end]
+            v_i = v_new[seq.start : seq.end]
+        else:
+            k_i = cache.k_caches[layer].index_select(0, seq.block_table).view(-1, num_kv_heads, head_dim)
+            v_i = cache.v_caches[layer].index_select(0, seq.block_table).view(-1, num_kv_heads, head_dim)
+            k_i, v_i = k_i[: seq.context_len], v_i[: seq.context_len]
+        mask = meta.prefill_mask_for(i, sliding_window)
+        is_causal = mask is None
+        out = _sdpa(
+            q_i, k_i.transpose(0, 1).unsqueeze(0), v_i.transpose(0, 1).unsqueeze(0), mask, scale, is_causal, gqa
+        )
+        outputs.append((seq, out[0].transpose(0, 1)))  # [q_len, h, d]
+
+    if decode_out is None and len(outputs) == 1 and outputs[0][0].query_len == meta.num_tokens:
+        return outputs[0][1]
+    result = q.new_empty(meta.num_tokens, num_heads, head_dim)
+    for seq, out in outputs:
+        result[seq.start : seq.end] = out
+    if decode_out is not None:
+        if isinstance(meta.decode_rows, slice):
+            result[meta.decode_rows] = decode_out
+        else:
+            result.index_copy_(0, meta.decode_rows, decode_out)
+    return result

@@ -1,0 +1,16 @@
+"""Engine settings: sizes of the paged KV cache and of one scheduling step."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16  # tokens per KV-cache block
+    num_blocks: int = 2048  # KV-cache blocks (all layers share one block table per sequence)
+    max_num_seqs: int = 64  # sequences running at once
+    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
+    max_model_len: int = 4096  # prompt + completion
+    check_invariants_when_idle: bool = True
+    # Reusing cached prefix blocks changes how many rows a prefill runs, and CPU GEMM kernels
+    # may then sum in another order: exact-parity checks switch it off.
+    enable_prefix_caching: bool = True

@@ -1,0 +1,203 @@
+"""The engine: requests in, tokens out, one scheduled step at a time (nano-vllm's LLMEngine)."""
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from onboard.engine.block_manager import BlockManager
+from onboard.engine.config import EngineConfig
+from onboard.engine.grammar import GrammarFactory, GrammarSpec, RequestGrammar
+from onboard.engine.model_runner import ModelRunner
+from onboard.engine.sampler import Sampler, SamplingParams, check_stop, stop_holdback
+from onboard.engine.scheduler import ScheduledSeq, Scheduler
+from onboard.engine.sequence import Sequence, SequenceStatus
+from onboard.models import inspect_checkpoint, load_tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: the new tokens and text, and whether it ended."""
+
+    request_id: int
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    logprobs: list[dict] = field(default_factory=list)  # per new token: {"token", "logprob", "top"}
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    params: SamplingParams
+    generator: torch.Generator | None
+    grammar: RequestGrammar | None
+    text: str = ""
+    emitted: int = 0  # characters of `text` already returned
+    logprobs: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[dict]
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        path: Path,
+        config: EngineConfig | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str = "cpu",
+    ):
+        self.config = config or EngineConfig()
+        self.path = Path(path)
+        self.tokenizer = load_tokenizer(inspect_checkpoint(self.path))
+        self.runner = ModelRunner(self.path, self.config, dtype=dtype, device=device)
+        self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.sampler = Sampler()
+        self.grammars = GrammarFactory(self.tokenizer, self.runner.vocab_size)
+        self.eos_ids = self._eos_ids()
+        self.requests: dict[int, _Request] = {}
+
+    def _eos_ids(self) -> set[int]:
+        ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        generation_eos = getattr(self.runner.hf_config, "eos_token_id", None)
+        try:
+            from transformers import GenerationConfig
+
+            generation_eos = GenerationConfig.from_pretrained(self.path).eos_token_id
+        except OSError:
+            pass
+        if isinstance(generation_eos, int):
+            ids.add(generation_eos)
+        elif generation_eos:
+            ids.update(generation_eos)
+        return ids
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, grammar: GrammarSpec | None = None
+    ) -> int:
+        """Queue a request; raises ValueError on bad sampling values, grammars or lengths."""
+        params.validate()
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) + params.max_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"context length {self.config.max_model_len}"
+            )
+        matcher = self.grammars.matcher(grammar) if grammar is not None else None
+        seq = Sequence(prompt_token_ids, self.config.block_size, sampling=params)
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.requests[seq.seq_id] = _Request(seq, params, generator, matcher)
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def abort(self, request_id: int) -> None:
+        if self.requests.pop(request_id, None) is not None:
+            self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        logits = self.runner.run(scheduled)
+        sampling = [item for item in scheduled if item.samples]
+        sampled = self._sample(sampling, logits) if sampling else {}
+        self.scheduler.postprocess(scheduled, {seq_id: token for seq_id, (token, _) in sampled.items()})
+        return [self._advance(self.requests[seq_id], token, logprob) for seq_id, (token, logprob) in sampled.items()]
+
+    def _sample(self, items: list[ScheduledSeq], logits: torch.Tensor) -> dict[int, tuple[int, dict | None]]:
+        requests = [self.requests[item.seq.seq_id] for item in items]
+        masks = [r.grammar.allowed_mask(logits.shape[-1]) if r.grammar else None for r in requests]
+        histories = [(r.seq.token_ids[: r.seq.num_prompt_tokens], r.seq.completion_token_ids) for r in requests]
+        result = self.sampler.sample(
+            logits, [r.params for r in requests], histories, [r.generator for r in requests], masks
+        )
+        return {r.seq.seq_id: (result.token_ids[i], result.logprob_entry(i)) for i, r in enumerate(requests)}
+
+    def _advance(self, request: _Request, token: int, logprob: dict | None) -> RequestOutput:
+        seq, params = request.seq, request.params
+        if request.grammar is not None and not request.grammar.is_terminated():
+            request.grammar.accept(token)
+        if logprob is not None:
+            request.logprobs.append(logprob)
+        completion = seq.completion_token_ids
+        is_eos = token in self.eos_ids and not params.ignore_eos
+        visible = completion[:-1] if is_eos else completion
+        request.text = self.tokenizer.decode(visible, skip_special_tokens=True)
+        eos = set() if params.ignore_eos else self.eos_ids
+        reason, cut = check_stop(request.text, request.emitted, params, token, eos, len(completion))
+        if reason is None and request.grammar is not None and request.grammar.is_terminated():
+            reason = "stop"
+        text = request.text if cut is None else request.text[:cut]
+        # Until the request ends, hold back what a stop string could still claim, and a trailing
+        # replacement character the next token may complete into a UTF-8 character.
+        ready = len(text) if reason else max(0, len(text.rstrip("\ufffd")) - stop_holdback(params))
+        new_text = text[request.emitted : ready]
+        request.emitted = max(request.emitted, ready)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self.requests.pop(seq.seq_id, None)
+        return RequestOutput(
+            request_id=seq.seq_id,
+            new_token_ids=[token],
+            new_text=new_text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_completion_tokens=len(completion),
+            logprobs=[logprob] if logprob is not None else [],
+        )
+
+    # -- offline use --------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Seq[list[int]], params: SamplingParams | Seq[SamplingParams], grammar: GrammarSpec | None = None
+    ) -> list[Completion]:
+        """Run prompts to completion (continuous batching inside); results in prompt order."""
+        each = list(params) if isinstance(params, Seq) else [params] * len(prompts)
+        ids = [self.add_request(list(p), q, grammar) for p, q in zip(prompts, each, strict=True)]
+        tokens: dict[int, list[int]] = {i: [] for i in ids}
+        texts: dict[int, str] = dict.fromkeys(ids, "")
+        logprobs: dict[int, list[dict]] = {i: [] for i in ids}
+        reasons: dict[int, str | None] = dict.fromkeys(ids)
+        while self.has_unfinished():
+            for out in self.step():
+                tokens[out.request_id] += out.new_token_ids
+                texts[out.request_id] += out.new_text
+                logprobs[out.request_id] += out.logprobs
+                if out.finished:
+                    reasons[out.request_id] = out.finish_reason
+        return [Completion(tokens[i], texts[i], reasons[i], logprobs[i]) for i in ids]
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """float32 logits [T, vocab] at every position of one sequence (teacher forcing)."""
+        seq = Sequence(list(token_ids), self.config.block_size)
+        if not self.block_manager.can_allocate(seq):
+            raise ValueError("not enough free KV-cache blocks to score this sequence")
+        self.block_manager.allocate(seq, reuse_prefix=False)
+        try:
+            batch = self.runner.prepare([ScheduledSeq(seq, len(seq))])
+            hidden = self.runner.model.forward(batch, self.runner.cache)
+            return self.runner.model.compute_logits(hidden)
+        finally:
+            self.block_manager.deallocate(seq)
+            seq.status = SequenceStatus.FINISHED
