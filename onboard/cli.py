@@ -188,12 +188,13 @@ def adapt(
     allow_pickle: PickleOpt = False,
 ) -> None:
     """Map the checkpoint onto the reference engine and prove logit parity with transformers."""
-    from onboard.adapt.stage import resolve_target, run_adapt
+    from onboard.adapt.stage import engine_model_for, resolve_target, run_adapt
     from onboard.models import inspect_checkpoint
     from onboard.workspace import RunDir
 
     model_dir, run_dir = resolve_target(path, out)
     checkpoint = inspect_checkpoint(model_dir, allow_pickle=allow_pickle)
+    engine_model_for(checkpoint)  # an unsupported architecture fails before RUN_DIR is touched
     with RunDir(run_dir) as run:
         run_adapt(run, checkpoint)
 

@@ -127,8 +127,9 @@ class BlockManager:
         seq.block_table = hits + [self._take_free() for _ in range(seq.num_blocks - len(hits))]
         self._seqs[seq.seq_id] = _SeqState(hashes[: len(hits)], len(hits))
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
-        self.prefix_queries += len(seq)
-        self.prefix_hits += seq.num_cached_tokens
+        if reuse_prefix:
+            self.prefix_queries += len(seq)
+            self.prefix_hits += seq.num_cached_tokens
 
     def _take_free(self) -> int:
         if self._free_uncached:

@@ -64,8 +64,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.sampler = Sampler()
-        self.grammars = GrammarFactory(self.tokenizer, self.runner.vocab_size)
         self.eos_ids = self._eos_ids()
+        self.grammars = GrammarFactory(self.tokenizer, self.runner.vocab_size, stop_token_ids=sorted(self.eos_ids))
         self.requests: dict[int, _Request] = {}
 
     def _eos_ids(self) -> set[int]:
@@ -92,6 +92,9 @@ class LLMEngine:
         params.validate()
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
+        vocab = min(len(self.tokenizer), self.runner.vocab_size)
+        if not all(0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if len(prompt_token_ids) + params.max_tokens > self.config.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "

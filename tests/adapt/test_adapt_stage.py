@@ -1,0 +1,147 @@
+"""`onboard adapt` end to end: the real CLI in a fresh interpreter on the bf16 tiny llama, then
+the cached rerun and the refusals through the same entry point (`onboard.cli.main`) in process,
+which saves an interpreter start (torch, transformers) per case."""
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import transformers
+
+import onboard.cli
+from onboard.engine.models import supported_architectures
+from onboard.workspace import MANIFEST
+
+PARITY_KEYS = {"max_abs_logit_diff", "mean_kld", "top1_agreement", "greedy_match_rate", "logprobs_close"}
+
+
+def cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["ONBOARD_CACHE"] = os.environ["ONBOARD_CACHE"]  # the session's isolated cache (conftest)
+    return env
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("onboard: error:")]
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    """Run `onboard ARGS` through `onboard.cli.main` in this process: (exit code, stdout, stderr).
+
+    `main` quiets libraries for good (environment, transformers' logging); that is undone after."""
+    verbosity = transformers.logging.get_verbosity()
+    progress = transformers.logging.is_progress_bar_enabled()
+    for name in ("TOKENIZERS_PARALLELISM", "LLM_COMPRESSOR_LOG_LEVEL"):
+        monkeypatch.setenv(name, os.environ.get(name, "false" if name.startswith("TOKENIZERS") else "ERROR"))
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        monkeypatch.setattr(sys, "argv", ["onboard", *args])
+        with pytest.raises(SystemExit) as done:
+            onboard.cli.main()
+        captured = capsys.readouterr()
+        return done.value.code, captured.out, captured.err
+
+    yield run
+    transformers.logging.set_verbosity(verbosity)
+    if progress:
+        transformers.logging.enable_progress_bar()
+
+
+@pytest.fixture(scope="module")
+def adapted(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """`onboard adapt TINY_LLAMA --out RUN` once, as a user runs it."""
+    run = tmp_path_factory.mktemp("adapt") / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "onboard.cli", "adapt", str(tiny_llama), "--out", str(run)],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=600,
+    )
+    return run, result
+
+
+@pytest.fixture(scope="module")
+def gpt2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint transformers knows (GPT-2) but the serving engine has no adapter for."""
+    out = tmp_path_factory.mktemp("tiny_gpt2")
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
+    )
+    transformers.GPT2LMHeadModel(config).save_pretrained(out)
+    assert (out / "model.safetensors").is_file()
+    return out
+
+
+def test_adapt_cli_writes_parity(adapted: tuple[Path, subprocess.CompletedProcess]) -> None:
+    run, result = adapted
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "LlamaForCausalLM -> engine model LlamaModel" in result.stderr
+    parity = json.loads((run / "adapt" / "parity.json").read_text())
+    assert set(parity) >= PARITY_KEYS
+    print({k: parity[k] for k in sorted(PARITY_KEYS)})
+    # Same bf16 weights, one request at a time: the engine is transformers, position for position.
+    assert parity["top1_agreement"] == 1.0
+    assert parity["greedy_match_rate"] >= 15 / 16
+    assert parity["logprobs_close"] is True
+    assert parity["max_abs_logit_diff"] <= 1e-2
+    assert 0 <= parity["mean_kld"] < 1e-3
+    assert parity["num_prompts"] == len(parity["cases"]) == 16
+    assert parity["engine_model"] == "LlamaModel"
+    assert sum(case["matched"] for case in parity["cases"]) == round(parity["greedy_match_rate"] * 16)
+
+    entry = json.loads((run / MANIFEST).read_text())["stages"]["adapt"]
+    assert entry["status"] == "done"
+    assert {k: entry["metrics"][k] for k in PARITY_KEYS} == {k: parity[k] for k in PARITY_KEYS}
+    assert "cases" not in entry["metrics"]
+
+
+def test_second_adapt_run_is_cached(adapted: tuple[Path, subprocess.CompletedProcess], tiny_llama: Path, cli) -> None:
+    run, first = adapted
+    assert first.returncode == 0, first.stderr
+    parity = (run / "adapt" / "parity.json").read_bytes()
+    entry = json.loads((run / MANIFEST).read_text())["stages"]["adapt"]
+
+    code, out, err = cli("adapt", str(tiny_llama), "--out", str(run))
+    assert code == 0, err
+    assert "cached" in out + err
+    assert (run / "adapt" / "parity.json").read_bytes() == parity
+    assert json.loads((run / MANIFEST).read_text())["stages"]["adapt"]["finished"] == entry["finished"]
+
+
+def test_plain_checkpoint_without_out_is_one_error_line(tiny_llama: Path, cli) -> None:
+    before = sorted(p.name for p in tiny_llama.iterdir())
+    code, out, err = cli("adapt", str(tiny_llama))
+    assert code == 2
+    assert "Traceback" not in out + err
+    lines = error_lines(err)
+    assert len(lines) == 1, err
+    assert str(tiny_llama) in lines[0] and "--out" in lines[0]
+    assert sorted(p.name for p in tiny_llama.iterdir()) == before  # no manifest or lock in the checkpoint
+
+
+def test_unsupported_architecture_is_one_error_line(gpt2_checkpoint: Path, tmp_path: Path, cli) -> None:
+    code, out, err = cli("adapt", str(gpt2_checkpoint), "--out", str(tmp_path / "run"))
+    assert code == 2
+    assert "Traceback" not in out + err
+    lines = error_lines(err)
+    assert len(lines) == 1, err
+    line = lines[0]
+    assert "GPT2LMHeadModel" in line
+    for arch in supported_architectures():
+        assert arch in line
+    assert "onboard/engine/models/" in line  # where an adapter goes
+    assert not (tmp_path / "run" / "adapt").exists()
+
+
+def test_unsupported_architecture_leaves_no_run_directory(gpt2_checkpoint: Path, tmp_path: Path, cli) -> None:
+    code, _, _ = cli("adapt", str(gpt2_checkpoint), "--out", str(tmp_path / "run"))
+    assert code == 2
+    assert not (tmp_path / "run").exists()
