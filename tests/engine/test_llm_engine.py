@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import tiny_models
 import torch
+from artifacts import quantize_into
 
 from onboard.adapt.parity import GreedyComparison, compare_greedy, compare_logits
 from onboard.engine.config import EngineConfig
@@ -27,9 +28,7 @@ from onboard.engine.sampler import SamplingParams
 from onboard.engine.sequence import Sequence, SequenceStatus
 from onboard.evaluate.kl import KLStats
 from onboard.models import inspect_checkpoint, load_model, load_tokenizer
-from onboard.quantize.stage import run_quantize
 from onboard.recipes import Calibration, Quantize, recipe_for
-from onboard.workspace import RunDir
 
 ARCHS = ("tiny_llama", "tiny_qwen3", "tiny_qwen3_moe")
 TOP = 5
@@ -196,11 +195,7 @@ def quantized(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, Quant
 
     def build(checkpoint_dir: Path, settings: Quantize, label: str) -> Path:
         if label not in done:
-            root = tmp_path_factory.mktemp(f"engine_{label}")
-            with RunDir(root) as run:
-                entry = run_quantize(run, inspect_checkpoint(checkpoint_dir), settings, None)
-            assert entry["status"] == "done"
-            done[label] = root / "artifact"
+            done[label] = quantize_into(tmp_path_factory.mktemp(f"engine_{label}"), checkpoint_dir, settings)
         return done[label]
 
     return build

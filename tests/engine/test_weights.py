@@ -8,15 +8,14 @@ from pathlib import Path
 import pytest
 import tiny_models
 import torch
+from artifacts import quantize_into
+from artifacts import stored_tensors as stored
 from compressed_tensors.quantization.lifecycle.forward import forward_quantize
-from safetensors import safe_open
 
 from onboard.engine.linear import EngineLinear
 from onboard.engine.weights import CheckpointWeights, NotFusable
 from onboard.models import inspect_checkpoint, load_model, load_tokenizer
-from onboard.quantize.stage import run_quantize
 from onboard.recipes import NEVER_QUANTIZE, Calibration, Quantize
-from onboard.workspace import RunDir
 
 CALIB = Calibration(num_samples=2, max_seq_length=64)
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -27,14 +26,6 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return torch.equal(a.view(INT_VIEW[a.dtype]), b.view(INT_VIEW[b.dtype]))
-
-
-def stored(directory: Path) -> dict[str, torch.Tensor]:
-    found = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            found.update({k: handle.get_tensor(k) for k in handle.keys()})  # noqa: SIM118
-    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,10 +58,7 @@ def artifacts(
                 done[label] = _mixed_precision(tiny_llama, root / "artifact")
             else:
                 checkpoint, quantize = settings[label]
-                with RunDir(root) as run:
-                    entry = run_quantize(run, inspect_checkpoint(checkpoint), quantize, None)
-                assert entry["status"] == "done"
-                done[label] = root / "artifact"
+                done[label] = quantize_into(root, checkpoint, quantize)
         return done[label]
 
     return get

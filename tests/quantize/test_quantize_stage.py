@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import tiny_models
 import torch
-from safetensors import safe_open
+from artifacts import stored_tensors as tensors
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from onboard.evaluate.kl import KLStats
@@ -30,14 +30,6 @@ TEXT = (
 
 # FP4 E2M1 code points (OCP microscaling spec): sign bit, 2 exponent bits, 1 mantissa bit.
 E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
-
-
-def tensors(directory: Path) -> dict[str, torch.Tensor]:
-    found = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            found.update({k: handle.get_tensor(k) for k in handle.keys()})  # noqa: SIM118
-    return found
 
 
 def decoder_linears(reference: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
