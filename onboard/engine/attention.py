@@ -142,15 +142,6 @@ class AttentionMetadata:
         return self._window_masks[key]
 
 
-# A speed/parity switch, off by default.  PyTorch's CPU flash-attention kernel is slow in bf16 for
-# single-query rows: one query over 1000 keys (9 heads, d=64, 2 cores) takes ~440 us in bf16 and
-# ~220 us in float32 including the casts (40 keys: 26 vs 14 us); SmolLM2-135M decode at context
-# 1000 gets ~10 ms/token faster.  But float32 skips the bf16 kernel's rounding of the softmax
-# probabilities, which transformers (bf16 SDPA) has: decode logits then drift ~2-3 bf16 ulps from
-# transformers' instead of ~1, enough to flip a near-tied MoE routing decision in the tests.
-DECODE_IN_FLOAT32_ON_CPU = False
-
-
 def _sdpa(q, k, v, mask, scale, is_causal, gqa):
     if gqa:
         return F.scaled_dot_product_attention(
@@ -220,10 +211,7 @@ def paged_attention(
                 v = cache.v_caches[layer].index_select(0, tables.view(-1)).view(shape)[:, : meta.decode_len]
             mask = meta.decode_mask_for(sliding_window)
             q_dec, k, v = q_dec.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2)
-            if DECODE_IN_FLOAT32_ON_CPU and q.device.type == "cpu" and q.dtype != torch.float32:
-                out = _sdpa(q_dec.float(), k.float(), v.float(), mask, scale, False, gqa).to(q.dtype)
-            else:
-                out = _sdpa(q_dec, k, v, mask, scale, False, gqa)
+            out = _sdpa(q_dec, k, v, mask, scale, False, gqa)
         decode_out = out.squeeze(2)  # [B, h, d]
         if not meta.prefill:
             return decode_out
