@@ -67,13 +67,20 @@ def _ttft(engine, prompt: list[int]) -> float:
 
 
 def weight_bytes_per_token(engine) -> int:
-    """Bytes of weights one decode step reads: every parameter, except that an untied embedding
-    table only gives one row per token (a tied one is read whole, as the output projection)."""
+    """Bytes of weights one decode step reads: every parameter and every linear's weight (held
+    pre-reordered outside the parameters on CPU), except that an untied embedding table only
+    gives one row per token (a tied one is read whole, as the output projection)."""
+    from onboard.engine.linear import EngineLinear
+
+    model = engine.runner.model
+    packed = sum(
+        m.out_features * m.in_features * model.dtype.itemsize
+        for m in model.modules()
+        if isinstance(m, EngineLinear) and m.packed is not None
+    )
     tied = bool(getattr(engine.runner.hf_config, "tie_word_embeddings", False))
-    return sum(
-        p.numel() * p.element_size()
-        for name, p in engine.runner.model.named_parameters()
-        if tied or "embed" not in name
+    return packed + sum(
+        p.numel() * p.element_size() for name, p in model.named_parameters() if tied or "embed" not in name
     )
 
 

@@ -5,9 +5,11 @@ one step needs; the model builds it once per forward and every layer reuses it. 
 `paged_attention` writes the step's new K/V into the cache and then attends:
 
 * decode rows (sequences with one new token; all of a decode-only batch, or the decode part of a
-  mixed batch): every sequence's cached context is gathered block-wise into one padded
-  `[B, kvh, L, d]` batch and attended with ONE SDPA call, a key-padding mask hiding the padding
-  (no mask at all for a single sequence: its context is sliced to length);
+  mixed batch): a single sequence attends over its context sliced to length with no mask, exactly
+  the call transformers makes.  Several sequences on the CPU: one gather of all their blocks, then
+  one unpadded SDPA call per sequence with the GQA groups folded (`_decode_per_sequence`).
+  Elsewhere (CUDA, sliding windows): one padded `[B, kvh, L, d]` batch, ONE SDPA call, a
+  key-padding mask hiding the padding;
 * prefill rows (a sequence with several new tokens): one SDPA call per sequence.  A sequence whose
   whole context is new this step attends over its own new K/V with `is_causal=True` (nothing read
   back from the cache); one that continues a cached prefix (chunked prefill, prefix-cache hit)
@@ -16,7 +18,7 @@ one step needs; the model builds it once per forward and every layer reuses it. 
 
 Sliding windows (mistral, qwen2 sliding layers) add `key > query - window` to the masks, as
 transformers' `sliding_window_overlay` does; all KV stays in the cache.
-GQA uses SDPA's `enable_gqa=True` (no repeated K/V).
+GQA uses SDPA's `enable_gqa=True` (no repeated K/V), except in `_decode_per_sequence`.
 """
 
 from dataclasses import dataclass, field
@@ -56,7 +58,9 @@ class AttentionMetadata:
     decode_context_lens: list[int] = field(default_factory=list)
     decode_len: int = 0  # keys per sequence after slicing the gathered blocks (the longest context)
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, decode_len] bool; None: no padding
-    decode_seq_blocks: list[torch.Tensor] = field(default_factory=list)  # per sequence, its context's blocks
+    # Every decode sequence's context blocks, concatenated, and where each sequence's tokens start in them.
+    decode_blocks: torch.Tensor | None = None
+    decode_token_offsets: list[int] = field(default_factory=list)
     _window_masks: dict = field(default_factory=dict)
 
     @classmethod
@@ -99,7 +103,9 @@ class AttentionMetadata:
             if len(tables) == 1 and tables[0] == list(range(tables[0][0], tables[0][0] + nblocks)):
                 meta.decode_block_range = (tables[0][0], tables[0][0] + nblocks)
             meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
-            meta.decode_seq_blocks = [meta.decode_block_tables[i, : -(-c // block_size)] for i, c in enumerate(ctx)]
+            used = [t[: -(-c // block_size)] for t, c in zip(tables, ctx, strict=True)]
+            meta.decode_blocks = torch.tensor([b for t in used for b in t], dtype=torch.long, device=device)
+            meta.decode_token_offsets = [block_size * sum(map(len, used[:i])) for i in range(len(used))]
             meta.decode_context_lens = ctx
             meta.decode_len = longest
             if any(c != longest for c in ctx):
@@ -150,6 +156,36 @@ def _sdpa(q, k, v, mask, scale, is_causal, gqa):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal)
 
 
+def _decode_per_sequence(
+    q_dec: torch.Tensor, layer: int, cache: KVCache, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Decode attention as one unpadded SDPA call per sequence (`q_dec` `[B, h, d]` -> `[B, h, 1, d]`).
+
+    On the CPU this is ~3x faster than one masked call over the padded batch, and a sequence's
+    result does not depend on what else is in the batch.  With GQA the query heads that share a
+    KV head are folded into the query-length axis (`[1, kvh, h/kvh, d]`, no mask: a decode query
+    sees its whole context): SDPA's CPU kernel then runs kvh head problems instead of h, another
+    3-5x on the demo model.  Its results equal the unfolded call's in almost every element (the
+    GEMM over 3 query rows may sum in another order); single-sequence decode, the path parity with
+    transformers is proven on, stays unfolded.
+    """
+    num_heads, head_dim = q_dec.shape[1], q_dec.shape[2]
+    num_kv_heads = cache.num_kv_heads
+    group = num_heads // num_kv_heads
+    # One gather of every sequence's blocks (a call per sequence costs more than the copy).
+    shape = (-1, num_kv_heads, head_dim)
+    keys = cache.k_caches[layer].index_select(0, meta.decode_blocks).view(shape).transpose(0, 1)
+    values = cache.v_caches[layer].index_select(0, meta.decode_blocks).view(shape).transpose(0, 1)
+    outs = []
+    for i, (start, length) in enumerate(zip(meta.decode_token_offsets, meta.decode_context_lens, strict=True)):
+        k = keys[None, :, start : start + length]  # [1, kvh, length, d]
+        v = values[None, :, start : start + length]
+        q_i = q_dec[i].view(1, num_kv_heads, group, head_dim)
+        out = F.scaled_dot_product_attention(q_i, k, v, scale=scale)
+        outs.append(out.view(1, num_heads, 1, head_dim))
+    return torch.cat(outs)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -178,28 +214,7 @@ def paged_attention(
         q_dec = q[rows] if isinstance(rows, slice) else q.index_select(0, rows)
         tables = meta.decode_block_tables
         if q.device.type == "cpu" and tables.shape[0] > 1 and sliding_window is None:
-            # One unpadded SDPA call per sequence: on the CPU that is ~3x faster than one masked
-            # call over the padded batch, and each sequence gets exactly the arithmetic it gets
-            # when decoding alone (batch composition cannot change its attention output).
-            outs = [
-                _sdpa(
-                    q_dec[i : i + 1].unsqueeze(2),
-                    cache.k_caches[layer]
-                    .index_select(0, blocks)
-                    .view(1, -1, num_kv_heads, head_dim)[:, :length]
-                    .transpose(1, 2),
-                    cache.v_caches[layer]
-                    .index_select(0, blocks)
-                    .view(1, -1, num_kv_heads, head_dim)[:, :length]
-                    .transpose(1, 2),
-                    None,
-                    scale,
-                    False,
-                    gqa,
-                )
-                for i, (blocks, length) in enumerate(zip(meta.decode_seq_blocks, meta.decode_context_lens, strict=True))
-            ]
-            out = torch.cat(outs)
+            out = _decode_per_sequence(q_dec, layer, cache, meta, scale)
         else:
             shape = (tables.shape[0], -1, num_kv_heads, head_dim)
             if meta.decode_block_range is not None:  # no copy

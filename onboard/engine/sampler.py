@@ -174,14 +174,18 @@ class Sampler:
         if not len(params) == len(histories) == len(generators) == len(masks) == batch:
             raise ValueError("params, histories, generators and masks must have one entry per logits row")
         raw = logits.float()
-        x = raw.clone()
-        apply_masks(x, masks)
-        apply_penalties(x, params, histories)
+        x = raw
+        if any(m is not None for m in masks) or any(p.needs_penalties for p in params):
+            x = raw.clone()
+            apply_masks(x, masks)
+            apply_penalties(x, params, histories)
 
         token_ids = torch.empty(batch, dtype=torch.long, device=x.device)
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
         rand = [i for i, p in enumerate(params) if not p.is_greedy]
-        if greedy:
+        if len(greedy) == batch:
+            token_ids = x.argmax(dim=-1)
+        elif greedy:
             index = torch.tensor(greedy, device=x.device)
             token_ids[index] = x[index].argmax(dim=-1)
         if rand:

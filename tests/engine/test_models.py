@@ -289,7 +289,7 @@ def test_prompt_in_two_halves_then_decode(tiny_llama):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_single_sequence_decode(family, request):
-    # Batch-1 decode: one-row steps (native CPU GEMV, the decode view over consecutive blocks is
+    # Batch-1 decode: one-row steps (single-row GEMMs; the decode view over consecutive blocks is
     # not used here since the test allocator scatters blocks).
     decode_parity(request.getfixturevalue(family), [13], chunk=13, max_new=10)
 

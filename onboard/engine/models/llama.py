@@ -19,8 +19,7 @@ weight source can fuse them; qwen3's q_norm and k_norm run as one norm over the 
 (a stacked per-head weight), and RoPE rotates q and k in one pass.
 """
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,15 +32,7 @@ from onboard.engine.batch import ForwardBatch
 from onboard.engine.kv_cache import KVCache, KVCacheSpec
 from onboard.engine.linear import EngineLinear
 from onboard.engine.rope import RotaryEmbedding, apply_rotary, head_dim_of
-
-try:
-    from onboard.engine.weights import NotFusable
-except ModuleNotFoundError as exc:  # weights.py not there yet: a stand-in with the same meaning
-    if exc.name != "onboard.engine.weights":
-        raise
-
-    class NotFusable(Exception):  # type: ignore[no-redef]
-        """The weight source cannot serve these prefixes as one fused linear."""
+from onboard.engine.weights import NotFusable
 
 
 class WeightSource(Protocol):
@@ -85,24 +76,6 @@ def _linears(weights: WeightSource, prefixes: Sequence[str]) -> tuple[EngineLine
         return None, [weights.linear(p) for p in prefixes]
 
 
-@contextmanager
-def native_cpu_gemv() -> Iterator[None]:
-    """Run CPU matmuls with PyTorch's own kernels instead of oneDNN's for the duration.
-
-    For a single row (batch-1 decode) PyTorch's bf16 GEMV streams the weights about twice as fast
-    as oneDNN's on small CPU boxes (measured: 2 cores, AVX512-BF16, torch 2.13); for more rows it
-    is far slower, so only single-row steps use it.  Results differ from oneDNN's in ~0.01% of
-    elements by one bf16 ulp (summation order).  This toggles a process-wide flag
-    (`torch.backends.mkldnn.enabled`) and restores it on exit.
-    """
-    previous = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = previous
-
-
 @dataclass
 class StepContext:
     """Per-forward state shared by all layers."""
@@ -137,19 +110,19 @@ class LlamaAttention(torch.nn.Module):
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
-            qkv = self.qkv_proj(x).view(t, h + 2 * kvh, d)
+            qkv = self.qkv_proj.forward(x).view(t, h + 2 * kvh, d)
             qk, v = qkv[:, : h + kvh], qkv[:, h + kvh :]
         else:
             q_proj, k_proj, v_proj = self.qkv_split
             qk = torch.cat([q_proj(x).view(t, h, d), k_proj(x).view(t, kvh, d)], dim=1)
             v = v_proj(x).view(t, kvh, d)
         if self.qk_norm is not None:
-            qk = self.qk_norm(qk)
+            qk = self.qk_norm.forward(qk)
         qk = apply_rotary(qk, ctx.cos, ctx.sin)
         out = paged_attention(
             qk[:, :h], qk[:, h:], v, self.layer_idx, ctx.cache, ctx.attn, self.scale, self.sliding_window
         )
-        return self.o_proj(out.reshape(t, h * d))
+        return self.o_proj.forward(out.reshape(t, h * d))
 
 
 def _sliding_window(config: Any, layer_idx: int) -> int | None:
@@ -176,10 +149,10 @@ class LlamaMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self.act_fn(gate) * up)
+        return self.down_proj.forward(self.act_fn.forward(gate) * up)
 
 
 class DecoderLayer(torch.nn.Module):
@@ -192,8 +165,8 @@ class DecoderLayer(torch.nn.Module):
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), ctx)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 class LlamaModel(torch.nn.Module):
@@ -203,9 +176,6 @@ class LlamaModel(torch.nn.Module):
     `compute_logits(hidden[batch.logits_indices])` the float32 logits.  Subclasses change the MLP
     of a layer by overriding `make_mlp`.
     """
-
-    # Single-row steps on CPU use PyTorch's native GEMV (see `native_cpu_gemv`); False: always oneDNN.
-    use_native_cpu_gemv: bool = False
 
     def __init__(self, config: Any, weights: WeightSource):
         super().__init__()
@@ -238,28 +208,18 @@ class LlamaModel(torch.nn.Module):
             dtype=self.dtype,
         )
 
-    def _matmul_mode(self, num_rows: int):
-        if self.use_native_cpu_gemv and num_rows == 1 and self.device.type == "cpu":
-            return native_cpu_gemv()
-        return nullcontext()
-
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        with self._matmul_mode(batch.input_ids.shape[0]):
-            return self._forward(batch, cache)
-
-    def _forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         attn = AttentionMetadata.build(batch, self.device)
         positions = batch.positions.to(self.device, non_blocking=True)
         cos, sin = self.rotary(positions, max_position=max(batch.context_lens, default=1) - 1)
         ctx = StepContext(cache=cache, attn=attn, cos=cos, sin=sin)
         x = F.embedding(batch.input_ids.to(self.device, non_blocking=True), self.embed_tokens)
         for layer in self.layers:
-            x = layer(x, ctx)
-        return self.norm(x)
+            x = layer.forward(x, ctx)
+        return self.norm.forward(x)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[S, H]` hidden states -> `[S, V]` float32 logits (lm_head in the compute dtype, as transformers)."""
-        with self._matmul_mode(hidden.shape[0]):
-            return self.lm_head(hidden).float()
+        return self.lm_head.forward(hidden).float()

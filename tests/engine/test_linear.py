@@ -1,0 +1,44 @@
+"""EngineLinear: the pre-reordered oneDNN weight gives exactly what `F.linear` (and transformers) gives."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from onboard.engine.linear import EngineLinear, onednn_packed_weight
+
+PACKS = onednn_packed_weight(torch.zeros(64, 128, dtype=torch.bfloat16)) is not None
+
+
+def random_linear(out_features: int, in_features: int, bias: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if bias else None
+    return weight, b, gen
+
+
+@pytest.mark.skipif(not PACKS, reason="this CPU/PyTorch build has no oneDNN bf16 matmul")
+@pytest.mark.parametrize(("out_features", "in_features"), [(192, 64), (128, 64), (96, 160), (640, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_is_bitwise_f_linear(out_features: int, in_features: int, bias: bool) -> None:
+    weight, b, gen = random_linear(out_features, in_features, bias, seed=out_features + in_features)
+    linear = EngineLinear(weight, b)
+    assert linear.packed is not None and linear.plain is None
+    assert torch.equal(linear.weight, weight)  # the reorder is lossless
+    for rows in (1, 2, 7, 16, 33, 200):
+        x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+        assert torch.equal(linear(x), F.linear(x, weight, b)), rows
+    x = torch.randn(2, 5, in_features, generator=gen).to(torch.bfloat16)
+    assert torch.equal(linear(x), F.linear(x, weight, b))
+
+
+def test_small_and_non_bf16_weights_stay_plain() -> None:
+    # m*n*k <= 16**3 even for one row: PyTorch does not use oneDNN for these, so neither may we.
+    small, _, _ = random_linear(64, 64, False, seed=0)
+    assert onednn_packed_weight(small) is None
+    linear = EngineLinear(small)
+    assert linear.packed is None and linear.weight is linear.plain
+    wide = torch.randn(128, 64)
+    assert onednn_packed_weight(wide) is None  # float32: MKL's path, left alone
+    x = torch.randn(3, 64)
+    assert torch.equal(EngineLinear(wide)(x), F.linear(x, wide))
+    assert (EngineLinear(wide).out_features, EngineLinear(wide).in_features) == (128, 64)
