@@ -11,10 +11,13 @@ TORCH := torch==2.13.0
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# speculators (dev/tests only) declares torchvision/torchaudio, which clash with the torch pin: it is
+# installed with --no-deps, its light runtime deps are in the dev extra.
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps speculators==0.9.0
 	touch $@
 
 setup: $(VENV)/.installed

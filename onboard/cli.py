@@ -152,6 +152,42 @@ def evaluate(
 
 
 @app.command()
+def speculator(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory with a finished quantize stage")],
+    data: Annotated[Path | None, typer.Option(help="training prompts (default: the project's own)")] = None,
+    traffic: Annotated[str | None, typer.Option(help="code | chat | math | mixed")] = None,
+    num_speculative_tokens: Annotated[int | None, typer.Option(help="K, draft tokens per target forward")] = None,
+    epochs: Annotated[int | None, typer.Option(help="training epochs")] = None,
+    num_prompts: Annotated[int | None, typer.Option(help="prompts whose responses are regenerated")] = None,
+    states_from: Annotated[
+        Path | None, typer.Option(help="train on this checkpoint's responses and states (e.g. the BF16 original)")
+    ] = None,
+) -> None:
+    """Train an EAGLE-3 draft on the artifact's own responses and hidden states; export; measure."""
+    from onboard.recipes import with_overrides
+    from onboard.speculator.stage import run_speculator
+    from onboard.workspace import MANIFEST, RunDir
+
+    if not (run_dir / MANIFEST).is_file():
+        raise OnboardError(f"{run_dir} is not a run directory (no {MANIFEST}); run `onboard quantize` first")
+    run = RunDir(run_dir)
+    recipe = with_overrides(
+        run.recipe(),
+        {
+            "--traffic": ("speculator.traffic", traffic),
+            "--num-speculative-tokens": ("speculator.num_speculative_tokens", num_speculative_tokens),
+            "--epochs": ("speculator.epochs", epochs),
+            "--num-prompts": ("speculator.num_prompts", num_prompts),
+        },
+    )
+    data = _existing_data(data)
+    if states_from is not None and not (states_from / "config.json").is_file():
+        raise OnboardError(f"--states-from {states_from}: not a checkpoint directory (no config.json)")
+    with run:
+        run_speculator(run, recipe.speculator, data, states_from)
+
+
+@app.command()
 def run(
     model: Annotated[Path, typer.Argument(help="a Hugging Face checkpoint directory or a .gguf file")],
     out: Annotated[Path, typer.Option(help="the run directory")],
@@ -204,17 +240,38 @@ def bench(
     path: Annotated[Path, typer.Argument(help="a run directory (its artifact) or a checkpoint directory")],
     data: Annotated[Path | None, typer.Option(help="prompts (default: the project's eval split)")] = None,
     out: Annotated[Path | None, typer.Option(help="also write the figures to this JSON file")] = None,
+    speculator: Annotated[
+        bool, typer.Option("--speculator", help="measure RUN_DIR/artifact/speculator against the engine alone")
+    ] = False,
+    compare: Annotated[
+        list[Path] | None, typer.Option(help="with --speculator: other speculator exports to measure alongside")
+    ] = None,
+    num_prompts: Annotated[int, typer.Option(help="with --speculator: held-out prompts")] = 24,
+    max_tokens: Annotated[int, typer.Option(help="with --speculator: tokens generated per prompt")] = 96,
 ) -> None:
-    """Engine against transformers.generate: tokens/s at concurrency 1 and 16, prefix-cache TTFT."""
+    """Engine against transformers.generate: tokens/s at concurrency 1 and 16, prefix-cache TTFT;
+    with --speculator, the speculator's acceptance and speed-up in the engine instead."""
     from onboard import atomic
-    from onboard.bench import bench_table, run_bench
     from onboard.models import inspect_checkpoint
     from onboard.workspace import console
 
     model_dir = path / "artifact" if (path / "manifest.json").is_file() else path
     checkpoint = inspect_checkpoint(model_dir)
-    result = run_bench(checkpoint, _existing_data(data))
-    console.print(bench_table(result))
+    if speculator:
+        from onboard.speculator.measure import run_spec_bench
+
+        draft_dir = model_dir / "speculator"
+        if not (draft_dir / "config.json").is_file():
+            raise OnboardError(f"{draft_dir} holds no speculator; run `onboard speculator {path}` first")
+        for other in compare or []:
+            if not (other / "config.json").is_file():
+                raise OnboardError(f"--compare {other}: not a speculator export (no config.json)")
+        result = run_spec_bench(model_dir, draft_dir, compare or [], _existing_data(data), num_prompts, max_tokens)
+    else:
+        from onboard.bench import bench_table, run_bench
+
+        result = run_bench(checkpoint, _existing_data(data))
+        console.print(bench_table(result))
     if out:
         atomic.write_json(out, result)
 

@@ -170,6 +170,17 @@ class BlockManager:
                 block.hash, block.token_ids = state.hashes[i], tuple(seq.block_tokens(i))
         state.num_marked = max(state.num_marked, num_full)
 
+    def truncate(self, seq: Sequence) -> None:
+        """Give back the blocks beyond what `seq`'s tokens need (rolled-back speculative tokens).
+        Only blocks no other sequence shares and the prefix cache does not know can be cut."""
+        while len(seq.block_table) > seq.num_blocks:
+            block = self.blocks[seq.block_table[-1]]
+            if block.ref_count != 1 or block.hash is not None:
+                raise ValueError(f"sequence {seq.seq_id}: block {block.block_id} is shared or cached")
+            seq.block_table.pop()
+            block.ref_count = 0
+            self._free_uncached.append(block.block_id)
+
     # --- release
 
     def deallocate(self, seq: Sequence) -> None:

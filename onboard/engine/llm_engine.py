@@ -193,14 +193,20 @@ class LLMEngine:
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """float32 logits [T, vocab] at every position of one sequence (teacher forcing)."""
+        return self.runner.model.compute_logits(self.hidden_states(token_ids)[0])
+
+    @torch.inference_mode()
+    def hidden_states(self, token_ids: list[int], aux_layers: Seq[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One sequence teacher-forced: the final normed hidden states [T, H] and the inputs of
+        decoder layers `aux_layers` (each [T, H]), as the engine computes them when serving."""
         seq = Sequence(list(token_ids), self.config.block_size)
         if not self.block_manager.can_allocate(seq):
-            raise ValueError("not enough free KV-cache blocks to score this sequence")
+            raise ValueError("not enough free KV-cache blocks for this sequence")
         self.block_manager.allocate(seq, reuse_prefix=False)
         try:
             batch = self.runner.prepare([ScheduledSeq(seq, len(seq))])
-            hidden = self.runner.model.forward(batch, self.runner.cache)
-            return self.runner.model.compute_logits(hidden)
+            final = self.runner.model.forward(batch, self.runner.cache, aux_layers=tuple(aux_layers))
+            return final, list(self.runner.model.aux_hidden_states)
         finally:
             self.block_manager.deallocate(seq)
             seq.status = SequenceStatus.FINISHED

@@ -209,13 +209,16 @@ class LlamaModel(torch.nn.Module):
         )
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, cache: KVCache, aux_layers: Sequence[int] = ()) -> torch.Tensor:
         attn = AttentionMetadata.build(batch, self.device)
         positions = batch.positions.to(self.device, non_blocking=True)
         cos, sin = self.rotary(positions, max_position=max(batch.context_lens, default=1) - 1)
         ctx = StepContext(cache=cache, attn=attn, cos=cos, sin=sin)
         x = F.embedding(batch.input_ids.to(self.device, non_blocking=True), self.embed_tokens)
-        for layer in self.layers:
+        self.aux_hidden_states = []  # the inputs of `aux_layers` (transformers' hidden_states[i])
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                self.aux_hidden_states.append(x)
             x = layer.forward(x, ctx)
         return self.norm.forward(x)
 

@@ -1,0 +1,226 @@
+"""Training the EAGLE-3 draft: training-time test over K steps, forward KL to the target.
+
+Loss at step s (weight `decay**s`): KL(target || draft) over the draft vocabulary, where the
+target's distribution is its own lm_head on its captured final state, restricted to the draft
+vocabulary and renormalised.  Only positions whose predicted token is part of a response (or of
+teacher-forced text) count.  AdamW, linear warm-up then cosine decay (transformers' schedule).
+Written against `accelerate`: `accelerate launch` shards the batches over processes unchanged.
+Resumable at epoch boundaries from `checkpoint/` (safetensors + JSON, no pickle).
+"""
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from safetensors.torch import load_file, save_file
+
+from onboard import atomic
+from onboard.speculator.data import iter_sequences
+from onboard.speculator.draft import Eagle3Draft
+from onboard.workspace import console
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    epochs: int = 8
+    learning_rate: float = 3e-4
+    warmup_ratio: float = 0.05
+    batch_sequences: int = 4
+    max_seq_len: int = 512
+    ttt_steps: int = 3
+    step_decay: float = 0.8
+    seed: int = 0
+
+
+@dataclass
+class Example:
+    input_ids: torch.Tensor  # [T] tokens at positions 1..T
+    aux: torch.Tensor  # [T, A*H] target states at positions 0..T-1
+    final: torch.Tensor  # [T, H] target final states at positions 1..T (their next-token distributions)
+    trained: torch.Tensor  # [T] bool: the distribution at final[i] is for a trained-on token
+
+
+def load_examples(data_dir: Path, max_seq_len: int) -> list[Example]:
+    out = []
+    for seq in iter_sequences(data_dir):
+        ids, n = seq["input_ids"], len(seq["input_ids"])
+        if n < 3:
+            continue
+        end = min(n, max_seq_len + 1)
+        positions = torch.arange(1, end)
+        out.append(
+            Example(
+                input_ids=ids[1:end],
+                aux=seq["aux"][: end - 1],
+                final=seq["final"][1:end],
+                trained=positions + 1 >= max(seq["num_prompt_tokens"], 1),
+            )
+        )
+    return out
+
+
+def collate(examples: list[Example]) -> dict[str, torch.Tensor]:
+    length = max(len(e.input_ids) for e in examples)
+
+    def pad(t: torch.Tensor, value=0) -> torch.Tensor:
+        extra = length - t.shape[0]
+        return F.pad(t, (0, 0, 0, extra), value=value) if t.dim() == 2 else F.pad(t, (0, extra), value=value)
+
+    return {
+        "input_ids": torch.stack([pad(e.input_ids) for e in examples]),
+        "aux": torch.stack([pad(e.aux.float()) for e in examples]),
+        "final": torch.stack([pad(e.final.float()) for e in examples]),
+        "trained": torch.stack([pad(e.trained, False) for e in examples]),
+        "valid": torch.stack([pad(torch.ones(len(e.input_ids), dtype=torch.bool), False) for e in examples]),
+    }
+
+
+def ttt_loss(
+    draft: Eagle3Draft, batch: dict[str, torch.Tensor], head: torch.Tensor, settings: TrainSettings
+) -> tuple[torch.Tensor, list[float], float]:
+    """Loss, per-step conditional accuracy and the implied acceptance length of one batch."""
+    logits = draft.unroll(batch["aux"], batch["input_ids"], batch["valid"], settings.ttt_steps)
+    with torch.no_grad():
+        target_logp = (batch["final"] @ head.T).log_softmax(-1)  # [B, T, Vd]
+    loss = torch.zeros((), device=head.device)
+    chain = None
+    accuracy, expected = [], 1.0
+    for s, step_logits in enumerate(logits):
+        length = step_logits.shape[1] - s
+        q = step_logits[:, :length].log_softmax(-1)
+        p = target_logp[:, s:]
+        mask = (batch["valid"][:, s:] & batch["trained"][:, s:]).float()
+        kl = (p.exp() * (p - q)).sum(-1)
+        denom = mask.sum().clamp(min=1)
+        loss = loss + settings.step_decay**s * (kl * mask).sum() / denom
+        with torch.no_grad():
+            correct = q.argmax(-1) == p.argmax(-1)
+            chain = correct if chain is None else chain[:, :length] & correct
+            accuracy.append(float((correct.float() * mask).sum() / denom))
+            expected += float((chain.float() * mask).sum() / denom)
+    return loss, accuracy, expected
+
+
+def _save_checkpoint(path: Path, draft: Eagle3Draft, optimizer, scheduler, epoch: int, history: list, key: str) -> None:
+    tensors = {f"model.{k}": v.detach().contiguous() for k, v in draft.state_dict().items()}
+    opt_state = optimizer.state_dict()
+    for index, state in opt_state["state"].items():
+        for key, value in state.items():
+            tensors[f"optim.{index}.{key}"] = torch.as_tensor(value).contiguous()
+    meta = {
+        "key": key,
+        "epoch": epoch,
+        "param_groups": opt_state["param_groups"],
+        "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
+        "history": history,
+    }
+    staging = path.with_name(path.name + ".tmp")
+    atomic.remove(staging)
+    staging.mkdir(parents=True)
+    save_file(tensors, str(staging / "state.safetensors"))
+    (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    atomic.remove(path)
+    staging.rename(path)
+
+
+def _load_checkpoint(path: Path, draft: Eagle3Draft, optimizer, scheduler) -> tuple[int, list]:
+    tensors = load_file(str(path / "state.safetensors"))
+    meta = json.loads((path / "meta.json").read_text())
+    draft.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
+    state: dict[int, dict] = {}
+    for name, value in tensors.items():
+        if name.startswith("optim."):
+            _, index, key = name.split(".", 2)
+            state.setdefault(int(index), {})[key] = value
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    scheduler.load_state_dict({**scheduler.state_dict(), **meta["scheduler"]})
+    return meta["epoch"], meta["history"]
+
+
+def train_draft(
+    draft: Eagle3Draft,
+    data_dir: Path,
+    target_head: torch.Tensor,
+    settings: TrainSettings,
+    checkpoint: Path,
+    resume_key: str = "",
+) -> list[dict]:
+    """Train in place; returns the per-epoch history (loss, per-step accuracy, acceptance estimate).
+    A checkpoint written under the same `resume_key` is resumed; any other is ignored."""
+    from accelerate import Accelerator
+    from transformers import get_cosine_schedule_with_warmup
+
+    torch.manual_seed(settings.seed)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    examples = load_examples(data_dir, settings.max_seq_len)
+    if not examples:
+        raise ValueError(f"{data_dir}: no training sequences")
+    head = target_head[torch.nonzero(draft.t2d).squeeze(1)].float()  # draft order: ascending target ids
+    batches_per_epoch = math.ceil(len(examples) / settings.batch_sequences)
+    total = batches_per_epoch * settings.epochs
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(settings.warmup_ratio * total), total)
+    start_epoch, history = 0, []
+    meta_path = checkpoint / "meta.json"
+    if meta_path.exists() and json.loads(meta_path.read_text()).get("key") == resume_key:
+        start_epoch, history = _load_checkpoint(checkpoint, draft, optimizer, scheduler)
+        console.print(f"speculator: resuming training after epoch {start_epoch}")
+    draft, optimizer, scheduler = accelerator.prepare(draft, optimizer, scheduler)
+    head = head.to(accelerator.device)
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn()]
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(
+            "speculator: training", total=total, completed=start_epoch * batches_per_epoch, info=""
+        )
+        for epoch in range(start_epoch, settings.epochs):
+            order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(settings.seed + epoch))
+            batches = [
+                collate([examples[i] for i in order[b : b + settings.batch_sequences].tolist()])
+                for b in range(0, len(examples), settings.batch_sequences)
+            ]
+            loader = accelerator.prepare_data_loader(torch.utils.data.DataLoader(batches, batch_size=None))
+            totals = {"loss": 0.0, "acceptance": 0.0, "accuracy": [0.0] * settings.ttt_steps, "batches": 0}
+            draft.train()
+            for batch in loader:
+                loss, accuracy, expected = ttt_loss(accelerator.unwrap_model(draft), batch, head, settings)
+                accelerator.backward(loss)
+                accelerator.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                totals["loss"] += float(loss.detach())
+                totals["acceptance"] += expected
+                totals["accuracy"] = [a + b for a, b in zip(totals["accuracy"], accuracy, strict=True)]
+                totals["batches"] += 1
+                n = totals["batches"]
+                info = f"epoch {epoch + 1} loss {totals['loss'] / n:.3f} accept~{totals['acceptance'] / n:.2f}"
+                progress.update(task, advance=1, info=info)
+            n = max(totals["batches"], 1)
+            history.append(
+                {
+                    "epoch": epoch + 1,
+                    "loss": totals["loss"] / n,
+                    "acceptance_estimate": totals["acceptance"] / n,
+                    "step_accuracy": [a / n for a in totals["accuracy"]],
+                    "learning_rate": scheduler.get_last_lr()[0],
+                }
+            )
+            console.print(
+                f"speculator: epoch {epoch + 1}/{settings.epochs} loss {history[-1]['loss']:.4f} "
+                f"acceptance estimate {history[-1]['acceptance_estimate']:.2f}"
+            )
+            if accelerator.is_main_process:
+                _save_checkpoint(
+                    checkpoint, accelerator.unwrap_model(draft), optimizer, scheduler, epoch + 1, history, resume_key
+                )
+    draft.eval()
+    return history
+
+
+def settings_dict(settings: TrainSettings) -> dict:
+    return asdict(settings)
