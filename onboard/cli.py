@@ -17,7 +17,7 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-STAGES = ("quantize", "eval")
+STAGES = ("quantize", "eval", "speculator")
 SchemeOpt = Annotated[str | None, typer.Option(help="nvfp4 | nvfp4a16 | fp8 (default: the recipe's)")]
 RecipeOpt = Annotated[Path | None, typer.Option(help="recipes/NAME.yaml (default: matched by architecture)")]
 PickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="load pickle (.bin) weights: can run code")]
@@ -79,6 +79,7 @@ def _pipeline(
     max_tokens: int | None,
     allow_pickle: bool,
     trust_remote_code: bool,
+    speculator: dict | None = None,
 ) -> None:
     from onboard.evaluate.stage import run_eval
     from onboard.models import resolve_model
@@ -91,6 +92,10 @@ def _pipeline(
     # Everything the user gave is checked before the run directory is touched.
     checkpoint = resolve_model(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     resolved = _recipe(checkpoint, recipe, scheme, samples, seq_len, max_tokens)
+    if speculator:
+        resolved = type(resolved).model_validate(
+            {**resolved.model_dump(), "speculator": {**resolved.speculator.model_dump(), **speculator}}
+        )
     calib, data = _existing_data(calib), _existing_data(data)
     with RunDir(out) as run:
         run.record_recipe(resolved)
@@ -98,6 +103,10 @@ def _pipeline(
             run_quantize(run, checkpoint, resolved.quantize, calib)
         if "eval" in stages:
             run_eval(run, resolved.eval, data)
+        if "speculator" in stages:
+            from onboard.speculator.stage import run_speculator
+
+            run_speculator(run, resolved.speculator, None)
 
 
 @app.command()
@@ -299,7 +308,21 @@ def serve(
 
 
 # The quick profile keeps CI and a first look short; full uses the recipe's own numbers.
-DEMO_PROFILES = {"quick": {"samples": 16, "max_tokens": 4096}, "full": {"samples": None, "max_tokens": None}}
+DEMO_PROFILES = {
+    "quick": {
+        "samples": 16,
+        "max_tokens": 4096,
+        "speculator": {
+            "num_prompts": 24,
+            "max_new_tokens": 64,
+            "stdlib_files": 4,
+            "epochs": 2,
+            "eval_prompts": 6,
+            "eval_max_tokens": 32,
+        },
+    },
+    "full": {"samples": None, "max_tokens": None, "speculator": None},
+}
 
 
 @app.command()
@@ -331,6 +354,7 @@ def demo(
         chosen["max_tokens"],
         False,
         False,
+        chosen["speculator"],
     )
 
 
