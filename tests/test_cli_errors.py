@@ -252,6 +252,16 @@ def make_cases(i: Inputs) -> dict[str, Case]:
             ["--max-tokens", "0"],
             i.existing_dir,
         ),
+        "speculator_not_a_run_dir": Case(
+            ["speculator", str(i.existing_dir)],
+            ["not a run directory"],
+            i.existing_dir,
+        ),
+        "bench_speculator_missing": Case(
+            ["bench", m, "--speculator"],
+            ["holds no speculator"],
+            i.existing_dir,
+        ),
         "run_max_tokens_0": Case(
             ["run", m, "--out", str(runs / "run_max_tokens_0"), "--max-tokens", "0"],
             ["--max-tokens", "0"],
@@ -340,6 +350,8 @@ CASES = [
     "calib_empty_file",
     "calib_textless_dir",
     "eval_max_tokens_0",
+    "speculator_not_a_run_dir",
+    "bench_speculator_missing",
     "run_max_tokens_0",
     "out_is_a_file",
     "unknown_scheme",

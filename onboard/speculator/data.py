@@ -157,7 +157,6 @@ def draft_vocabulary(data_dir: Path, size: int, vocab_size: int) -> torch.Tensor
     for seq in iter_sequences(data_dir):
         targets = seq["input_ids"][max(seq["num_prompt_tokens"], 1) :]
         counts += torch.bincount(targets, minlength=vocab_size)
-    size = min(size, vocab_size)
-    # Stable order: by count descending, then id ascending.
-    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))[:size]
-    return torch.tensor(sorted(order), dtype=torch.int64)
+    # By count descending; a stable sort keeps equal counts in id order.
+    chosen = torch.sort(-counts, stable=True).indices[: min(size, vocab_size)]
+    return chosen.sort().values

@@ -1,6 +1,7 @@
 """Acceptance of a draft in the engine that serves: greedy, concurrency 1, against the same engine
 without it on the same prompts (wall-clock speed-up, losslessness by adapt's near-tie rule)."""
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -121,8 +122,6 @@ def run_spec_bench(
 
 
 def _speculative_tokens(path: Path) -> int:
-    import json
-
     config = json.loads((path / "config.json").read_text())
     methods = config["speculators_config"]["proposal_methods"]
     return int(methods[0]["speculative_tokens"])

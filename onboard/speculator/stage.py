@@ -9,6 +9,7 @@ its last finished epoch), so an interrupted run picks up where it stopped.
 
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from onboard.speculator.train import TrainSettings, train_draft
 from onboard.workspace import RunDir, console
 
 
-def build_draft(engine, settings: Speculator, vocab: torch.Tensor, aux_layers: list[int]) -> Eagle3Draft:
+def build_draft(engine, vocab: torch.Tensor, aux_layers: list[int]) -> Eagle3Draft:
     torch.manual_seed(0)
     draft = Eagle3Draft(draft_layer_config(engine.runner.hf_config), len(vocab), aux_layers)
     draft.set_vocab(vocab)
@@ -92,10 +93,9 @@ def run_speculator(
             atomic.remove(work_data)
             partial.rename(work_data)
         data_seconds = time.perf_counter() - started
-        data_dir = work_data
 
-        vocab = draft_vocabulary(data_dir, settings.draft_vocab_size, engine.runner.vocab_size)
-        draft = build_draft(engine, settings, vocab, aux_layers)
+        vocab = draft_vocabulary(work_data, settings.draft_vocab_size, engine.runner.vocab_size)
+        draft = build_draft(engine, vocab, aux_layers)
         train = TrainSettings(
             epochs=settings.epochs,
             learning_rate=settings.learning_rate,
@@ -106,7 +106,7 @@ def run_speculator(
         started = time.perf_counter()
         resume_key = hash_json({"data": data_key, "settings": settings.model_dump()})
         head = engine.runner.model.lm_head.weight.float()
-        history = train_draft(draft, data_dir, head, train, work / "checkpoint", resume_key)
+        history = train_draft(draft, work_data, head, train, work / "checkpoint", resume_key)
         train_seconds = time.perf_counter() - started
         k = settings.num_speculative_tokens
         export_speculator(draft, stage.path("artifact/speculator"), run.artifact.resolve(), k)
@@ -123,9 +123,9 @@ def run_speculator(
             draft_vocab_size=len(vocab),
         )
         atomic.write_json(stage.path("speculator/metrics.json"), metrics)
-        atomic.write_json(stage.path("speculator/train.json"), {"history": history, "settings": train.__dict__})
+        atomic.write_json(stage.path("speculator/train.json"), {"history": history, "settings": asdict(train)})
         console.print(acceptance_table(metrics))
-        data_dir.rename(stage.path("speculator/data"))  # last: a failure before this keeps it for the rerun
+        work_data.rename(stage.path("speculator/data"))  # last: a failure before this keeps it for the rerun
         return {k: metrics[k] for k in ("acceptance_length", "speedup", "num_speculative_tokens")}
 
     inputs = {
@@ -138,7 +138,3 @@ def run_speculator(
     entry = run.run_stage("speculator", inputs, outputs, body)
     atomic.remove(work)
     return entry
-
-
-def read_metrics(run_dir: Path) -> dict[str, Any]:
-    return json.loads((Path(run_dir) / "speculator" / "metrics.json").read_text())

@@ -10,7 +10,7 @@ Resumable at epoch boundaries from `checkpoint/` (safetensors + JSON, no pickle)
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -220,7 +220,3 @@ def train_draft(
                 )
     draft.eval()
     return history
-
-
-def settings_dict(settings: TrainSettings) -> dict:
-    return asdict(settings)
