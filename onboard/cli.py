@@ -294,6 +294,12 @@ def serve(
     served_model_name: Annotated[str | None, typer.Option(help="the model id (default: the directory name)")] = None,
     max_model_len: Annotated[int | None, typer.Option(help="prompt + completion tokens (default: 4096)")] = None,
     device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
+    speculator: Annotated[
+        Path | None, typer.Option(help="an EAGLE-3 export (e.g. RUN_DIR/artifact/speculator): speculative decoding")
+    ] = None,
+    num_speculative_tokens: Annotated[
+        int | None, typer.Option(min=1, help="with --speculator: tokens proposed per step (default: the export's)")
+    ] = None,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics) on the engine."""
     from onboard.engine.config import EngineConfig
@@ -302,9 +308,21 @@ def serve(
     model_dir = path / "artifact" if (path / "manifest.json").is_file() else path
     if not (model_dir / "config.json").is_file():
         raise OnboardError(f"{model_dir} has no config.json: not a checkpoint (or a run without an artifact)")
+    if speculator is not None and not (speculator / "config.json").is_file():
+        raise OnboardError(f"--speculator {speculator}: not a speculator export (no config.json)")
     config = EngineConfig(max_model_len=max_model_len) if max_model_len else EngineConfig()
     name = served_model_name or path.resolve().name
-    run_server(model_dir, model_name=name, host=host, port=port, api_key=api_key, engine_config=config, device=device)
+    run_server(
+        model_dir,
+        model_name=name,
+        host=host,
+        port=port,
+        api_key=api_key,
+        engine_config=config,
+        device=device,
+        speculator=speculator,
+        num_speculative_tokens=num_speculative_tokens,
+    )
 
 
 # The quick profile keeps CI and a first look short; full uses the recipe's own numbers.

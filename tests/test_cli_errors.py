@@ -262,6 +262,11 @@ def make_cases(i: Inputs) -> dict[str, Case]:
             ["holds no speculator"],
             i.existing_dir,
         ),
+        "serve_speculator_missing": Case(
+            ["serve", m, "--speculator", str(i.existing_dir)],
+            ["not a speculator export"],
+            i.existing_dir,
+        ),
         "run_max_tokens_0": Case(
             ["run", m, "--out", str(runs / "run_max_tokens_0"), "--max-tokens", "0"],
             ["--max-tokens", "0"],
@@ -352,6 +357,7 @@ CASES = [
     "eval_max_tokens_0",
     "speculator_not_a_run_dir",
     "bench_speculator_missing",
+    "serve_speculator_missing",
     "run_max_tokens_0",
     "out_is_a_file",
     "unknown_scheme",

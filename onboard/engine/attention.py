@@ -51,7 +51,6 @@ class AttentionMetadata:
     num_tokens: int
     block_size: int
     prefill: list[_PrefillSeq]
-    rowwise: bool = False  # prefill rows attend one by one, as decode rows (speculative verification)
     # Decode group (sequences with one new token); None if there is none.
     decode_rows: torch.Tensor | slice | None = None  # their rows among the T tokens
     decode_block_tables: torch.Tensor | None = None  # [B, max blocks] (padded with block 0)
@@ -94,7 +93,6 @@ class AttentionMetadata:
             num_tokens=start,
             block_size=block_size,
             prefill=prefill,
-            rowwise=batch.rowwise,
         )
         if decode_seqs:
             ctx = [batch.context_lens[i] for i in decode_seqs]
@@ -188,21 +186,6 @@ def _decode_per_sequence(
     return torch.cat(outs)
 
 
-def _rows_as_decode(q: torch.Tensor, seq: "_PrefillSeq", layer: int, cache: KVCache, scale: float, gqa: bool):
-    """Each of the sequence's new rows attended exactly as a single-sequence decode step does."""
-    num_kv_heads, head_dim = cache.num_kv_heads, cache.head_dim
-    shape = (1, -1, num_kv_heads, head_dim)
-    k_all = cache.k_caches[layer].index_select(0, seq.block_table).view(shape)
-    v_all = cache.v_caches[layer].index_select(0, seq.block_table).view(shape)
-    first = seq.context_len - seq.query_len
-    rows = []
-    for r in range(seq.query_len):
-        length = first + r + 1
-        k, v = k_all[:, :length].transpose(1, 2), v_all[:, :length].transpose(1, 2)
-        rows.append(_sdpa(q[seq.start + r][None, :, None], k, v, None, scale, False, gqa)[0, :, 0])
-    return torch.stack(rows)  # [q_len, h, d]
-
-
 def paged_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -258,9 +241,6 @@ def paged_attention(
             k_i = cache.k_caches[layer].index_select(0, seq.block_table).view(-1, num_kv_heads, head_dim)
             v_i = cache.v_caches[layer].index_select(0, seq.block_table).view(-1, num_kv_heads, head_dim)
             k_i, v_i = k_i[: seq.context_len], v_i[: seq.context_len]
-        if meta.rowwise and seq.block_table is not None and sliding_window is None:
-            outputs.append((seq, _rows_as_decode(q, seq, layer, cache, scale, gqa)))
-            continue
         mask = meta.prefill_mask_for(i, sliding_window)
         is_causal = mask is None
         out = _sdpa(

@@ -23,9 +23,6 @@ class ForwardBatch:
     block_tables: list[list[int]]  # [B][num blocks of the sequence]
     logits_indices: torch.Tensor  # [S] int64: rows of the [T, H] hidden states to turn into logits
     block_size: int
-    # Speculative verification: each new token attends exactly as a one-token decode step would
-    # (its own SDPA call over its causal context), so verified tokens equal plain decoding's.
-    rowwise: bool = False
 
     @property
     def is_decode_only(self) -> bool:

@@ -13,6 +13,7 @@ from onboard.engine.model_runner import ModelRunner
 from onboard.engine.sampler import Sampler, SamplingParams, check_stop, stop_holdback
 from onboard.engine.scheduler import ScheduledSeq, Scheduler
 from onboard.engine.sequence import Sequence, SequenceStatus
+from onboard.engine.spec_decode import Speculator
 from onboard.models import inspect_checkpoint, load_tokenizer
 
 
@@ -67,6 +68,25 @@ class LLMEngine:
         self.eos_ids = self._eos_ids()
         self.grammars = GrammarFactory(self.tokenizer, self.runner.vocab_size, stop_token_ids=sorted(self.eos_ids))
         self.requests: dict[int, _Request] = {}
+        self.speculator: Speculator | None = None
+
+    def set_speculator(self, draft, num_speculative_tokens: int) -> None:
+        """Decode with an EAGLE-3 draft from now on (`draft` None: without one)."""
+        if self.has_unfinished():
+            raise RuntimeError("the speculator can only change while no request runs")
+        if draft is not None:
+            text = self.runner.hf_config.get_text_config()
+            vocab, hidden = draft.t2d.shape[0], draft.layer_config.hidden_size
+            if (vocab, hidden) != (self.runner.vocab_size, text.hidden_size):
+                raise ValueError(
+                    f"the speculator was trained for a model with vocabulary {vocab} and hidden size {hidden}; "
+                    f"this one has {self.runner.vocab_size} and {text.hidden_size}"
+                )
+            if max(draft.aux_layer_ids) >= text.num_hidden_layers:
+                raise ValueError(
+                    f"the speculator reads layers {draft.aux_layer_ids}; the model has {text.num_hidden_layers}"
+                )
+        self.speculator = Speculator(draft, num_speculative_tokens) if draft is not None else None
 
     def _eos_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
@@ -110,6 +130,8 @@ class LLMEngine:
     def abort(self, request_id: int) -> None:
         if self.requests.pop(request_id, None) is not None:
             self.scheduler.abort(request_id)
+            if self.speculator is not None:
+                self.speculator.drop(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -120,6 +142,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        if self.speculator is not None:
+            return self._speculative_step(scheduled)
         logits = self.runner.run(scheduled)
         sampling = [item for item in scheduled if item.samples]
         sampled = self._sample(sampling, logits) if sampling else {}
@@ -158,6 +182,8 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self.requests.pop(seq.seq_id, None)
+            if self.speculator is not None:
+                self.speculator.drop(seq.seq_id)
         return RequestOutput(
             request_id=seq.seq_id,
             new_token_ids=[token],
@@ -168,6 +194,115 @@ class LLMEngine:
             num_completion_tokens=len(completion),
             logprobs=[logprob] if logprob is not None else [],
         )
+
+    # -- speculative decoding (spec_decode.py) --------------------------------------------------
+
+    @torch.inference_mode()
+    def _speculative_step(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
+        """One step where decoding sequences the draft is ready for verify its proposals too."""
+        spec = self.speculator
+        proposals = {}
+        for item in scheduled:
+            seq = item.seq
+            if item.num_new_tokens != 1 or not item.samples or not spec.ready(seq):
+                continue
+            request = self.requests[seq.seq_id]
+            room = min(
+                spec.k,
+                request.params.max_tokens - len(seq.completion_token_ids),  # a bonus past it is dropped
+                self.config.max_model_len - len(seq),
+            )
+            if room <= 0:
+                continue
+            proposal = spec.propose(seq, room, request.params, request.generator, request.grammar)
+            seq.token_ids.extend(proposal.tokens)
+            if not proposal.tokens or not self.block_manager.can_append(seq):
+                del seq.token_ids[len(seq) - len(proposal.tokens) :]
+                continue
+            self.block_manager.may_append(seq)
+            item.num_new_tokens += len(proposal.tokens)
+            proposals[seq.seq_id] = proposal
+
+        starts = [item.seq.num_computed_tokens for item in scheduled]
+        batch = self.runner.prepare(scheduled)
+        model = self.runner.model
+        hidden = model.forward(batch, self.runner.cache, aux_layers=spec.aux_layers)
+        aux = torch.cat(model.aux_hidden_states, dim=-1)
+        offsets = [0]
+        for item in scheduled:
+            offsets.append(offsets[-1] + item.num_new_tokens)
+        rows = [
+            index
+            for item, end in zip(scheduled, offsets[1:], strict=True)
+            if item.samples
+            for index in (range(end - item.num_new_tokens, end) if item.seq.seq_id in proposals else [end - 1])
+        ]
+        logits = model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long)]) if rows else None
+
+        plain = [item for item in scheduled if item.samples and item.seq.seq_id not in proposals]
+        plain_rows, spec_rows, row = [], {}, 0
+        for item in scheduled:
+            if not item.samples:
+                continue
+            if item.seq.seq_id in proposals:
+                spec_rows[item.seq.seq_id] = slice(row, row + item.num_new_tokens)
+                row += item.num_new_tokens
+            else:
+                plain_rows.append(row)
+                row += 1
+        sampled = self._sample(plain, logits[torch.tensor(plain_rows, dtype=torch.long)]) if plain else {}
+        self.scheduler.postprocess(
+            [item for item in scheduled if item.seq.seq_id not in proposals],
+            {seq_id: token for seq_id, (token, _) in sampled.items()},
+        )
+        outputs = [self._advance(self.requests[seq_id], token, lp) for seq_id, (token, lp) in sampled.items()]
+        verified = {}
+        for item in scheduled:
+            seq = item.seq
+            if seq.seq_id in proposals and not seq.is_finished:
+                outputs.append(self._commit(item, logits[spec_rows[seq.seq_id]], proposals[seq.seq_id]))
+                verified[seq.seq_id] = outputs[-1]
+
+        for item, start, first_row in zip(scheduled, starts, offsets, strict=False):
+            seq = item.seq
+            if seq.is_finished:
+                continue
+            count = seq.num_computed_tokens - start  # the positions this step verified or computed
+            spec.feed(seq, start, aux[first_row : first_row + count])
+        return outputs
+
+    def _commit(self, item: ScheduledSeq, raw: torch.Tensor, proposal) -> RequestOutput:
+        """Verify one sequence's proposals, keep the accepted KV, emit the tokens (one output)."""
+        seq = item.seq
+        request = self.requests[seq.seq_id]
+        base = seq.num_computed_tokens  # position of the last emitted token, computed this step
+        del seq.token_ids[base + 1 :]
+        history = (seq.token_ids[: seq.num_prompt_tokens], seq.completion_token_ids)
+        verdict = self.speculator.verify(raw, proposal, request.params, history, request.generator)
+        seq.num_computed_tokens = base + 1 + verdict.accepted
+        n = len(verdict.tokens)
+        entries = [None] * n
+        if request.params.logprobs is not None:
+            chosen = self.sampler.logprobs(raw[:n], [request.params] * n, verdict.tokens)
+            entries = [chosen.logprob_entry(i) for i in range(n)]
+        merged = None
+        for token, entry in zip(verdict.tokens, entries, strict=True):
+            seq.append_token(token)
+            out = self._advance(request, token, entry)
+            if merged is None:
+                merged = out
+            else:
+                merged.new_token_ids += out.new_token_ids
+                merged.new_text += out.new_text
+                merged.logprobs += out.logprobs
+                merged.finished, merged.finish_reason = out.finished, out.finish_reason
+                merged.num_completion_tokens = out.num_completion_tokens
+            if out.finished:
+                break
+        if not seq.is_finished:
+            self.block_manager.mark_computed(seq, seq.num_computed_tokens)
+            self.block_manager.truncate(seq)
+        return merged
 
     # -- offline use --------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ class ModelRunner:
         )
         self.vocab_size = text.vocab_size
 
-    def prepare(self, scheduled: list[ScheduledSeq], rowwise: bool = False) -> ForwardBatch:
+    def prepare(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
         block_size = self.config.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -62,7 +62,6 @@ class ModelRunner:
             block_tables=tables,
             logits_indices=as_tensor(logits_rows),
             block_size=block_size,
-            rowwise=rowwise,
         )
 
     @torch.inference_mode()

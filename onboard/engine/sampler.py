@@ -174,11 +174,7 @@ class Sampler:
         if not len(params) == len(histories) == len(generators) == len(masks) == batch:
             raise ValueError("params, histories, generators and masks must have one entry per logits row")
         raw = logits.float()
-        x = raw
-        if any(m is not None for m in masks) or any(p.needs_penalties for p in params):
-            x = raw.clone()
-            apply_masks(x, masks)
-            apply_penalties(x, params, histories)
+        x = self.processed(raw, params, histories, masks)
 
         token_ids = torch.empty(batch, dtype=torch.long, device=x.device)
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
@@ -194,21 +190,52 @@ class Sampler:
         logprobs, top = self._logprobs(raw, params, ids)
         return SampleOutput(token_ids=ids, logprobs=logprobs, top_logprobs=top)
 
+    def logprobs(self, raw: torch.Tensor, params: Sequence[SamplingParams], ids: list[int]) -> SampleOutput:
+        """What `sample` reports for tokens chosen elsewhere (speculative verification)."""
+        logprobs, top = self._logprobs(raw.float(), params, ids)
+        return SampleOutput(token_ids=ids, logprobs=logprobs, top_logprobs=top)
+
     @staticmethod
-    def _sample_random(
-        x: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None], rows: list[int]
+    def processed(
+        raw: torch.Tensor,
+        params: Sequence[SamplingParams],
+        histories: Sequence[History],
+        masks: Sequence[torch.Tensor | None],
     ) -> torch.Tensor:
+        """float32 logits after the grammar masks and penalties (a copy when anything applies)."""
+        if not any(m is not None for m in masks) and not any(p.needs_penalties for p in params):
+            return raw
+        x = raw.clone()
+        apply_masks(x, masks)
+        apply_penalties(x, params, histories)
+        return x
+
+    @staticmethod
+    def probabilities(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """The distributions sampling draws from: temperature, top-k, top-p, min-p over `x` [S, V]
+        (logits already masked and penalised), softmaxed."""
+
         def column(name: str, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor([getattr(params[i], name) for i in rows], dtype=dtype, device=x.device)
+            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=x.device)
 
         filtered = apply_filters(
-            x[torch.tensor(rows, device=x.device)],
+            x,
             column("temperature", torch.float32),
             column("top_k", torch.long),
             column("top_p", torch.float32),
             column("min_p", torch.float32),
         )
-        probs = filtered.softmax(dim=-1)
+        return filtered.softmax(dim=-1)
+
+    @classmethod
+    def _sample_random(
+        cls,
+        x: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        rows: list[int],
+    ) -> torch.Tensor:
+        probs = cls.probabilities(x[torch.tensor(rows, device=x.device)], [params[i] for i in rows])
         out = torch.empty(len(rows), dtype=torch.long, device=x.device)
         unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
         if unseeded:

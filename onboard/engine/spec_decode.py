@@ -1,23 +1,26 @@
-"""Chain speculative decoding of one sequence on the engine's paged cache (EAGLE-3 draft).
+"""Speculative decoding with an EAGLE-3 draft, inside the engine's scheduled steps.
 
-Each round: the draft proposes K tokens (its first from the target's auxiliary states, the rest
-from its own output state), the target verifies them in ONE forward over the last emitted token
-plus the K proposals, and then:
+Per running sequence the draft keeps its own small KV cache, fed after every step with the
+target's auxiliary states at the positions the step computed (prefill chunks and verified
+tokens alike).  A decode step then becomes: the draft proposes up to K tokens (its first from the
+target's states, the rest from its own output state; grammar-constrained requests propose only
+tokens their matcher allows, and the matcher is rolled back afterwards), the target computes the
+last token plus the proposals in the same batched forward as every other scheduled sequence, and
 
-* greedy: the longest prefix equal to the target's own greedy choices is accepted and the
-  target's next token is emitted as the bonus;
+* greedy: the longest prefix equal to the target's own choices (grammar mask and penalties
+  applied per row, as plain decoding applies them) is accepted, and the target's next token is
+  emitted after it;
 * sampling (temperature > 0): proposal j is accepted with probability min(1, p_j / q_j) (p the
-  target's filtered distribution, q the draft's), the first rejection is replaced by a sample of
-  the normalised residual max(0, p - q), and a bonus is sampled from p when all K are accepted.
-  The emitted tokens are distributed exactly as sampling the target alone (Leviathan et al.,
-  Chen et al. 2023); all randomness comes from the request's seeded generator.
+  target's distribution exactly as the sampler would draw from it, q the draft's), the first
+  rejection is replaced by a draw from the normalised residual max(0, p - q), and when all are
+  accepted a bonus token is drawn from p.  The emitted tokens are distributed exactly as sampling
+  the target alone (Leviathan et al., Chen et al. 2023); randomness comes from the request's
+  seeded generator.
 
-Rejected tokens are rolled back: the target's tail blocks are freed and their cache slots
-rewritten later; the draft's cache is cut back and replayed on the target's states for the
-accepted positions.
-
-Scope: concurrency 1, no prefix caching or grammars (the batched and structured variants of
-issue #4 are not built yet).
+Rejected tokens are rolled back: their cache slots are released (`BlockManager.truncate`) and
+rewritten later; the draft's cache is cut back to the target's verified positions.  Positions a
+prefix-cache hit skipped are not fed to the draft (it attends only to what its request computed),
+which costs acceptance, never correctness.
 """
 
 from dataclasses import dataclass, field
@@ -25,152 +28,170 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from onboard.engine.sampler import SamplingParams, apply_filters
-from onboard.engine.scheduler import ScheduledSeq
-from onboard.engine.sequence import Sequence, SequenceStatus
-
-TOP = 5  # top log-probabilities recorded per emitted token (the near-tie rule's)
+from onboard.engine.sampler import Sampler, SamplingParams
 
 
 @dataclass
-class SpecResult:
-    token_ids: list[int]
-    accepted: list[int] = field(default_factory=list)  # per verify round: proposals accepted (0..K)
-    top: list[list[int]] = field(default_factory=list)  # per emitted token: the target's top-5 ids there
+class DraftState:
+    """One sequence's draft: cache rows for target positions [start, fed); the last row's outputs."""
+
+    cache: DynamicCache
+    start: int
+    fed: int
+    logits: torch.Tensor | None = None  # draft-vocabulary logits proposing the token at `fed + 1`
+    hidden: torch.Tensor | None = None  # [1, 1, H] the last row's output state
 
 
-class SpeculativeDecoder:
-    def __init__(self, engine, draft, num_speculative_tokens: int):
-        self.engine = engine
-        self.draft = draft
+@dataclass
+class Proposal:
+    tokens: list[int]
+    qs: list[torch.Tensor | None]  # per token, when sampling: the draft distribution over target ids
+    masks: list[torch.Tensor | None]  # per verification row (len(tokens) + 1): the grammar's allowed ids
+
+
+@dataclass
+class SpecStats:
+    """Counters as vLLM's /metrics names them (spec_decode_num_*)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens emitted per verification (bonus included)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
+class Verdict:
+    accepted: int
+    tokens: list[int]  # accepted proposals, then the target's own token
+
+
+class Speculator:
+    def __init__(self, draft, num_speculative_tokens: int):
+        self.draft = draft.eval()
         self.k = num_speculative_tokens
         self.aux_layers = tuple(draft.aux_layer_ids)
         self.dtype = next(p for p in draft.parameters()).dtype
         self.draft_ids = torch.nonzero(draft.t2d).squeeze(1)  # draft index -> target id
+        self.vocab_size = draft.t2d.shape[0]
+        self.states: dict[int, DraftState] = {}
+        self.stats = SpecStats(accepted_per_position=[0] * num_speculative_tokens)
 
-    def _target(self, seq: Sequence, num_new: int, verify: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward the last `num_new` tokens of `seq`: float32 logits [num_new, V] and aux states.
-        `verify`: each token attends as a decode step would, so its logits are plain decoding's."""
-        runner = self.engine.runner
-        self.engine.block_manager.may_append(seq)
-        batch = runner.prepare([ScheduledSeq(seq, num_new)], rowwise=verify)
-        final = runner.model.forward(batch, runner.cache, aux_layers=self.aux_layers)
-        aux = torch.cat(runner.model.aux_hidden_states, dim=-1).to(self.dtype)
-        return runner.model.compute_logits(final), aux
+    # -- the draft's cache ----------------------------------------------------------------------
 
-    def _draft(self, tokens: list[int], aux: torch.Tensor | None, hidden, first_position: int, cache) -> tuple:
-        """Draft rows for `tokens` at positions first_position.. ; the last row's draft-vocabulary
-        logits and output state."""
+    def ready(self, seq) -> bool:
+        state = self.states.get(seq.seq_id)
+        return state is not None and state.fed == len(seq) - 1 and state.logits is not None
+
+    def drop(self, seq_id: int) -> None:
+        self.states.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def feed(self, seq, first: int, aux: torch.Tensor) -> None:
+        """The target's auxiliary states `aux` [n, A*H] at positions first..first+n-1 of `seq`,
+        whose next tokens are known: run the draft over them (row i: state at i, token at i+1)."""
+        state = self.states.get(seq.seq_id)
+        if state is None or state.fed != first:  # new, preempted, or past a prefix-cache hit
+            state = self.states[seq.seq_id] = DraftState(DynamicCache(), first, first)
+        else:
+            surplus = state.cache.get_seq_length() - (state.fed - state.start)
+            if surplus > 0:  # rows of the draft's own proposals
+                state.cache.crop(-surplus)
+        n = aux.shape[0]
+        tokens = seq.token_ids[first + 1 : first + 1 + n]
+        logits, hidden = self._rows(tokens, self.draft.project(aux[None].to(self.dtype)), first + 1, state.cache)
+        state.fed, state.logits, state.hidden = first + n, logits, hidden
+
+    def _rows(self, tokens: list[int], hidden: torch.Tensor, first_position: int, cache: DynamicCache):
+        """Draft rows for `tokens` at positions first_position..; the last row's logits and state."""
         ids = torch.tensor([tokens])
-        state = self.draft.project(aux[None]) if aux is not None else hidden
         positions = torch.arange(first_position, first_position + len(tokens))[None]
         mask = None
         if len(tokens) > 1:
             past = cache.get_seq_length()
             mask = torch.ones(len(tokens), past + len(tokens), dtype=torch.bool).tril(past)[None, None]
-        out = self.draft.step(ids, state, positions, mask, cache)
+        out = self.draft.step(ids, hidden, positions, mask, cache)
         return out.logits[0, -1], out.hidden[:, -1:]
 
-    def _target_probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        rows = logits.shape[0]
+    # -- proposing ------------------------------------------------------------------------------
 
-        def column(value, dtype):
-            return torch.full((rows,), value, dtype=dtype)
+    @torch.inference_mode()
+    def propose(self, seq, limit: int, params: SamplingParams, generator, grammar) -> Proposal:
+        """Up to `limit` chained proposals for `seq` (fewer where the grammar allows none)."""
+        state = self.states[seq.seq_id]
+        logits, hidden = state.logits, state.hidden
+        proposal = Proposal([], [], [])
+        for step in range(limit):
+            if step:
+                logits, hidden = self._rows([proposal.tokens[-1]], hidden, len(seq) + step - 1, state.cache)
+            mask = None
+            if grammar is not None:
+                if grammar.is_terminated():
+                    break
+                mask = grammar.allowed_mask(self.vocab_size)
+                allowed = mask[self.draft_ids]
+                if not bool(allowed.any()):
+                    break
+                logits = logits.masked_fill(~allowed, float("-inf"))
+            token, q = self._choose(logits, params, generator)
+            proposal.masks.append(mask)
+            proposal.tokens.append(token)
+            proposal.qs.append(q)
+            if grammar is not None:
+                grammar.accept(token)
+        if grammar is not None:
+            proposal.masks.append(None if grammar.is_terminated() else grammar.allowed_mask(self.vocab_size))
+            grammar.rollback(len(proposal.tokens))
+        else:
+            proposal.masks.append(None)
+        return proposal
 
-        filtered = apply_filters(
-            logits,
-            column(params.temperature, torch.float32),
-            column(params.top_k, torch.long),
-            column(params.top_p, torch.float32),
-            column(params.min_p, torch.float32),
-        )
-        return filtered.softmax(-1)
-
-    def _propose(self, draft_logits: torch.Tensor, params: SamplingParams, gen) -> tuple[int, torch.Tensor | None]:
-        """A proposal (target id) and, when sampling, the draft's distribution over target ids."""
+    def _choose(self, draft_logits: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
         if params.is_greedy:
             return int(self.draft_ids[draft_logits.argmax()]), None
-        q_draft = (draft_logits / params.temperature).softmax(-1)
-        index = int(torch.multinomial(q_draft, 1, generator=gen))
-        q = torch.zeros(self.draft.t2d.shape[0]).index_copy_(0, self.draft_ids, q_draft)
+        q_draft = (draft_logits.float() / params.temperature).softmax(-1)
+        index = int(torch.multinomial(q_draft, 1, generator=generator))
+        q = torch.zeros(self.vocab_size).index_copy_(0, self.draft_ids, q_draft)
         return int(self.draft_ids[index]), q
 
-    def _verify(self, proposals, qs, logits, params: SamplingParams, gen) -> tuple[int, list[int]]:
-        """How many proposals are accepted, and the tokens to emit (accepted ones + one more)."""
+    # -- verifying ------------------------------------------------------------------------------
+
+    def verify(self, raw: torch.Tensor, proposal: Proposal, params: SamplingParams, history, generator) -> Verdict:
+        """`raw` [len(tokens) + 1, V] float32 target logits of the last token and each proposal;
+        `history` (prompt ids, output ids) before the proposals."""
+        tokens = proposal.tokens
+        prompt, output = history
+        rows = len(tokens) + 1
+        histories = [(prompt, [*output, *tokens[:j]]) for j in range(rows)]
+        x = Sampler.processed(raw, [params] * rows, histories, proposal.masks)
         if params.is_greedy:
-            greedy = logits.argmax(-1).tolist()
+            target = x.argmax(-1).tolist()
             accepted = 0
-            while accepted < self.k and proposals[accepted] == greedy[accepted]:
+            while accepted < len(tokens) and tokens[accepted] == target[accepted]:
                 accepted += 1
-            return accepted, [*proposals[:accepted], greedy[accepted]]
-        p = self._target_probs(logits, params)
-        for j, (token, q) in enumerate(zip(proposals, qs, strict=True)):
-            ratio = p[j, token] / q[token]
-            if float(torch.rand((), generator=gen)) < float(ratio):
+            verdict = Verdict(accepted, [*tokens[:accepted], target[accepted]])
+        else:
+            verdict = self._rejection_sample(Sampler.probabilities(x, [params] * rows), proposal, generator)
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += len(tokens)
+        stats.num_accepted_tokens += verdict.accepted
+        for j in range(verdict.accepted):
+            stats.accepted_per_position[j] += 1
+        return verdict
+
+    @staticmethod
+    def _rejection_sample(p: torch.Tensor, proposal: Proposal, generator) -> Verdict:
+        for j, (token, q) in enumerate(zip(proposal.tokens, proposal.qs, strict=True)):
+            if float(torch.rand((), generator=generator)) < float(p[j, token] / q[token]):
                 continue
             residual = (p[j] - q).clamp(min=0)
             total = residual.sum()
             fallback = residual / total if total > 0 else p[j]  # p == q: any draw from p is exact
-            return j, [*proposals[:j], int(torch.multinomial(fallback, 1, generator=gen))]
-        return self.k, [*proposals, int(torch.multinomial(p[self.k], 1, generator=gen))]
-
-    @torch.inference_mode()
-    def generate(
-        self, prompt: list[int], max_tokens: int, eos_ids=frozenset(), params: SamplingParams | None = None
-    ) -> SpecResult:
-        params = params or SamplingParams(temperature=0.0)
-        gen = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
-        engine = self.engine
-        bm = engine.block_manager
-        seq = Sequence(list(prompt), engine.config.block_size)
-        bm.allocate(seq, reuse_prefix=False)
-        result = SpecResult([])
-        try:
-            n = len(prompt)
-            logits, aux = self._target(seq, n)
-            seq.num_computed_tokens = n
-            if params.is_greedy:
-                token = int(logits[-1].argmax())
-            else:
-                token = int(torch.multinomial(self._target_probs(logits[-1:], params)[0], 1, generator=gen))
-            seq.append_token(token)
-            result.token_ids.append(token)
-            result.top.append(logits[-1].topk(TOP).indices.tolist())
-            cache = DynamicCache()
-            # Draft rows 0..n-1: target states at 0..n-1, tokens at 1..n; the last row proposes n+1.
-            draft_logits, hidden = self._draft([*prompt[1:], token], aux, None, 1, cache)
-            while len(result.token_ids) < max_tokens and token not in eos_ids:
-                base = len(seq) - 1  # position of the last emitted token (its KV not yet computed)
-                proposals, qs = [], []
-                for step in range(self.k):
-                    if step:
-                        draft_logits, hidden = self._draft([proposals[-1]], None, hidden, base + step, cache)
-                    proposal, q = self._propose(draft_logits, params, gen)
-                    proposals.append(proposal)
-                    qs.append(q)
-                seq.token_ids.extend(proposals)
-                logits, aux = self._target(seq, 1 + self.k, verify=True)
-                accepted, emitted = self._verify(proposals, qs, logits, params, gen)
-                result.accepted.append(accepted)
-                # Roll back: keep KV for the last token and the accepted proposals.
-                del seq.token_ids[base + 1 :]
-                seq.num_computed_tokens = base + 1 + accepted
-                tops = logits[: len(emitted)].topk(TOP, dim=-1).indices.tolist()
-                for t, top in zip(emitted, tops, strict=True):
-                    seq.append_token(t)
-                    result.token_ids.append(t)
-                    result.top.append(top)
-                    if t in eos_ids or len(result.token_ids) >= max_tokens:
-                        break
-                token = result.token_ids[-1]
-                if len(result.token_ids) >= max_tokens or token in eos_ids:
-                    break
-                bm.truncate(seq)
-                surplus = cache.get_seq_length() - base  # the draft's own rows past the target's states
-                if surplus > 0:
-                    cache.crop(-surplus)
-                draft_logits, hidden = self._draft(emitted, aux[: accepted + 1], None, base + 1, cache)
-            return SpecResult(result.token_ids[:max_tokens], result.accepted, result.top[:max_tokens])
-        finally:
-            bm.deallocate(seq)
-            seq.status = SequenceStatus.FINISHED
+            return Verdict(j, [*proposal.tokens[:j], int(torch.multinomial(fallback, 1, generator=generator))])
+        n = len(proposal.tokens)
+        return Verdict(n, [*proposal.tokens, int(torch.multinomial(p[n], 1, generator=generator))])

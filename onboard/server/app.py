@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from onboard.engine.grammar import GrammarSpec
 from onboard.engine.llm_engine import LLMEngine
 from onboard.engine.sampler import SamplingParams
+from onboard.errors import OnboardError
 from onboard.server.errors import APIError, bad_value, error_response, install_error_handlers
 from onboard.server.loop import EngineDeadError, EngineLoop, RequestHandle
 from onboard.server.metrics import Metrics
@@ -274,9 +275,20 @@ def serve(
     api_key: str | None = None,
     engine_config: Any = None,
     device: str = "cpu",
+    speculator: Path | None = None,
+    num_speculative_tokens: int | None = None,
 ) -> None:
-    """Load the engine and serve it with uvicorn until interrupted."""
+    """Load the engine (with an EAGLE-3 draft when `speculator` is given) and serve it with
+    uvicorn until interrupted."""
     import uvicorn
 
     engine = LLMEngine(model_dir, engine_config, device=device)
+    if speculator is not None:
+        from onboard.speculator.export import load_speculator, speculative_tokens
+
+        draft = load_speculator(speculator).to(device)
+        try:
+            engine.set_speculator(draft, num_speculative_tokens or speculative_tokens(speculator))
+        except ValueError as err:
+            raise OnboardError(f"--speculator {speculator}: {err}") from None
     uvicorn.run(build_app(engine, model_name, api_key=api_key), host=host, port=port, log_level="info")

@@ -268,6 +268,17 @@ class EngineLoop:
 
     def _publish(self) -> None:
         bm, scheduler = self.engine.block_manager, self.engine.scheduler
+        spec = self.engine.speculator.stats if self.engine.speculator is not None else None
+        speculative = (
+            {
+                "spec_num_drafts": spec.num_drafts,
+                "spec_num_draft_tokens": spec.num_draft_tokens,
+                "spec_num_accepted_tokens": spec.num_accepted_tokens,
+                "spec_accepted_per_position": tuple(spec.accepted_per_position),
+            }
+            if spec is not None
+            else {}
+        )
         self.metrics.publish(
             EngineStats(
                 num_running=scheduler.num_running,
@@ -280,5 +291,6 @@ class EngineLoop:
                 prefix_cache_hits=bm.prefix_hits,
                 num_preemptions=scheduler.num_preemptions,
                 num_in_flight=len(self._streams),
+                **speculative,
             )
         )

@@ -33,6 +33,11 @@ class EngineStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_in_flight: int = 0  # requests the server still streams to
+    # Speculative decoding (vLLM's spec_decode_* counters); None when serving without a draft.
+    spec_num_drafts: int | None = None
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 class Histogram:
@@ -176,4 +181,22 @@ class Metrics:
             "Sequences preempted for KV-cache space.",
             [f"num_preemptions_total {e.num_preemptions}"],
         )
+        if e.spec_num_drafts is not None:
+            for name, help_text, value in (
+                ("spec_decode_num_drafts_total", "Verification rounds of draft proposals.", e.spec_num_drafts),
+                ("spec_decode_num_draft_tokens_total", "Tokens the draft proposed.", e.spec_num_draft_tokens),
+                (
+                    "spec_decode_num_accepted_tokens_total",
+                    "Proposed tokens the target accepted.",
+                    e.spec_num_accepted_tokens,
+                ),
+            ):
+                family(name, "counter", help_text, [f"{name} {value}"])
+            name = "spec_decode_num_accepted_tokens_per_pos_total"
+            family(
+                name,
+                "counter",
+                "Proposed tokens accepted, by position in the draft (0 first).",
+                [f'{name}{{position="{i}"}} {n}' for i, n in enumerate(e.spec_accepted_per_position)],
+            )
         return "\n".join(lines) + "\n"

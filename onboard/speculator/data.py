@@ -63,19 +63,34 @@ def teacher_forced_code(tokenizer, num_files: int, max_tokens: int) -> list[Sequ
     return [Sequence(t, 1, "code") for t in ids if len(t) > 8]
 
 
-def generate_responses(engine, prompts: list[tuple[list[int], str]], max_new_tokens: int) -> list[Sequence]:
-    """Greedy responses of the target to every prompt, batched by the engine."""
+def generate_responses(
+    engine,
+    prompts: list[tuple[list[int], str]],
+    max_new_tokens: int,
+    responses_per_prompt: int = 1,
+    temperature: float = 0.8,
+) -> list[Sequence]:
+    """The target's responses to every prompt, batched by the engine: the greedy one, plus
+    `responses_per_prompt - 1` sampled at `temperature` (seeded per prompt and draw).  Sampled
+    responses are more of the target's own text for the same prompts: the loss is the target's
+    distribution at every position, so any trajectory it could take teaches the draft."""
     from onboard.engine.sampler import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    work = [
+        (prompt, kind, SamplingParams(temperature=0.0, max_tokens=max_new_tokens))
+        if draw == 0
+        else (prompt, kind, SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=i * 1000 + draw))
+        for draw in range(responses_per_prompt)
+        for i, (prompt, kind) in enumerate(prompts)
+    ]
     out: list[Sequence] = []
     batch = 32
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("speculator: target responses", total=len(prompts))
-        for start in range(0, len(prompts), batch):
-            chunk = prompts[start : start + batch]
-            done = engine.generate([p for p, _ in chunk], params)
-            for (prompt, kind), completion in zip(chunk, done, strict=True):
+        task = progress.add_task("speculator: target responses", total=len(work))
+        for start in range(0, len(work), batch):
+            chunk = work[start : start + batch]
+            done = engine.generate([p for p, _, _ in chunk], [q for _, _, q in chunk])
+            for (prompt, kind, _), completion in zip(chunk, done, strict=True):
                 out.append(Sequence(prompt + completion.token_ids, len(prompt), kind))
             progress.advance(task, len(chunk))
     return out

@@ -161,3 +161,10 @@ def load_speculator(path: Path) -> Eagle3Draft:
     if missing or unexpected:
         raise OnboardError(f"{path}: weights do not match the config (missing {missing}, unexpected {unexpected})")
     return draft.to(state["fc.weight"].dtype).eval()
+
+
+def speculative_tokens(path: Path) -> int:
+    """K of an export: its greedy proposal method's `speculative_tokens`."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    methods = config["speculators_config"]["proposal_methods"]
+    return int(methods[0]["speculative_tokens"])

@@ -1,7 +1,6 @@
 """Acceptance of a draft in the engine that serves: greedy, concurrency 1, against the same engine
 without it on the same prompts (wall-clock speed-up, losslessness by adapt's near-tie rule)."""
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -12,8 +11,9 @@ from onboard.adapt.parity import compare_greedy
 from onboard.data.builtin import builtin_records
 from onboard.data.load import load_records
 from onboard.data.render import tokenize_records
-from onboard.engine.spec_decode import TOP, SpeculativeDecoder
 from onboard.speculator.draft import Eagle3Draft
+
+TOP = 5  # top log-probabilities per token: what the near-tie rule compares
 
 
 def held_out_prompts(tokenizer, traffic: list[str], data: Path | None, count: int, max_tokens: int = 256):
@@ -29,39 +29,57 @@ def held_out_prompts(tokenizer, traffic: list[str], data: Path | None, count: in
     return out
 
 
+def _looping(token_ids: list[int], n: int = 8, repeats: int = 3) -> bool:
+    """Whether an output repeats some n-token run `repeats` times (the 135M model's loops, which
+    a draft predicts easily): acceptance on them is reported apart from the rest."""
+    counts: dict[tuple[int, ...], int] = {}
+    for i in range(len(token_ids) - n + 1):
+        gram = tuple(token_ids[i : i + n])
+        counts[gram] = counts.get(gram, 0) + 1
+        if counts[gram] >= repeats:
+            return True
+    return False
+
+
 def measure_acceptance(engine, draft: Eagle3Draft, k: int, prompts: list[tuple[list[int], str]], max_tokens: int):
-    """Greedy, concurrency 1, in the engine: acceptance per traffic type, and wall-clock speed-up
-    against the same engine decoding without the draft on the same prompts."""
+    """Greedy, concurrency 1, in the engine: acceptance per traffic type (and on looping and
+    non-looping outputs), and wall-clock speed-up against the same engine without the draft on
+    the same prompts."""
     from onboard.engine.sampler import SamplingParams
 
-    decoder = SpeculativeDecoder(engine, draft, k)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=TOP)
-    eos = engine.eos_ids
-    rounds: dict[str, list[int]] = {}
+    groups: dict[str, list[int]] = {}  # name -> [drafts, accepted, accepted at position 1..k]
     plain_s = spec_s = 0.0
     exact = near_ties = tokens = 0
     for prompt, kind in prompts:
+        engine.set_speculator(None, 0)
         start = time.perf_counter()
         (plain,) = engine.generate([prompt], params)
         plain_s += time.perf_counter() - start
+        engine.set_speculator(draft, k)
         start = time.perf_counter()
-        spec = decoder.generate(prompt, max_tokens, eos)
+        (spec,) = engine.generate([prompt], params)
         spec_s += time.perf_counter() - start
-        plain_top = [[token for token, _ in entry["top"]] for entry in plain.logprobs]
-        verdict = compare_greedy(spec.token_ids, plain.token_ids, spec.top, plain_top)
+        verdict = compare_greedy(spec.token_ids, plain.token_ids, _top(spec), _top(plain))
         exact += verdict.matched
         near_ties += verdict.near_tie
         tokens += len(spec.token_ids)
-        rounds.setdefault(kind, []).extend(spec.accepted)
-    everything = [a for r in rounds.values() for a in r]
+        stats = engine.speculator.stats
+        counts = [stats.num_drafts, stats.num_accepted_tokens, *stats.accepted_per_position]
+        for name in (kind, "looping" if _looping(spec.token_ids) else "not looping", "all"):
+            groups[name] = [a + b for a, b in zip(groups.get(name, [0] * len(counts)), counts, strict=True)]
+    engine.set_speculator(None, 0)
 
-    def summary(accepted: list[int]) -> dict[str, Any]:
-        n = max(len(accepted), 1)
+    def summary(counts: list[int]) -> dict[str, Any]:
+        drafts = max(counts[0], 1)
         return {
-            "acceptance_length": sum(a + 1 for a in accepted) / n,
-            "per_position_acceptance": [sum(a > i for a in accepted) / n for i in range(k)],
+            "acceptance_length": 1 + counts[1] / drafts,
+            "per_position_acceptance": [c / drafts for c in counts[2:]],
+            "num_drafts": counts[0],
         }
 
+    everything = groups.pop("all", [0] * (k + 2))
+    by_loop = {name: summary(groups.pop(name)) for name in ("looping", "not looping") if name in groups}
     return {
         **summary(everything),
         "num_speculative_tokens": k,
@@ -71,8 +89,13 @@ def measure_acceptance(engine, draft: Eagle3Draft, k: int, prompts: list[tuple[l
         "spec_lossless_greedy": near_ties == len(prompts),
         "num_prompts": len(prompts),
         "num_tokens": tokens,
-        "by_traffic": {kind: summary(acc) for kind, acc in sorted(rounds.items())},
+        "by_traffic": {kind: summary(counts) for kind, counts in sorted(groups.items())},
+        "by_looping": by_loop,
     }
+
+
+def _top(completion) -> list[list[int]]:
+    return [[token for token, _ in entry["top"]] for entry in completion.logprobs]
 
 
 def acceptance_table(metrics: dict[str, Any], title: str = "speculator") -> Table:
@@ -82,7 +105,7 @@ def acceptance_table(metrics: dict[str, Any], title: str = "speculator") -> Tabl
     table.add_column("acceptance length", justify="right")
     for i in range(k):
         table.add_column(f"pos {i + 1}", justify="right")
-    rows = [*metrics["by_traffic"].items(), ("all", metrics)]
+    rows = [*metrics["by_traffic"].items(), *metrics.get("by_looping", {}).items(), ("all", metrics)]
     for name, row in rows:
         table.add_row(name, f"{row['acceptance_length']:.2f}", *(f"{p:.0%}" for p in row["per_position_acceptance"]))
     table.caption = (
@@ -98,7 +121,7 @@ def run_spec_bench(
     """`onboard bench --speculator`: the run's draft (and any `others`) on the same held-out prompts."""
     from onboard.engine.config import EngineConfig
     from onboard.engine.llm_engine import LLMEngine
-    from onboard.speculator.export import load_speculator
+    from onboard.speculator.export import load_speculator, speculative_tokens
     from onboard.workspace import console
 
     engine = LLMEngine(artifact, EngineConfig(enable_prefix_caching=False))
@@ -106,7 +129,7 @@ def run_spec_bench(
     results = {}
     for path in [draft_dir, *others]:
         draft = load_speculator(path)
-        k = _speculative_tokens(path)
+        k = speculative_tokens(path)
         console.print(f"bench: speculator {path} (K = {k}) on {len(prompts)} prompts ...")
         results[str(path)] = measure_acceptance(engine, draft.float(), k, prompts, max_tokens)
         console.print(acceptance_table(results[str(path)], title=str(path)))
@@ -119,9 +142,3 @@ def run_spec_bench(
         "spec_greedy_exact_rate": main["spec_greedy_exact_rate"],
         "speculators": results,
     }
-
-
-def _speculative_tokens(path: Path) -> int:
-    config = json.loads((path / "config.json").read_text())
-    methods = config["speculators_config"]["proposal_methods"]
-    return int(methods[0]["speculative_tokens"])

@@ -59,7 +59,16 @@ def run_speculator(
             "states_from": str(Path(states_from).resolve()) if states_from else None,
             "data": str(Path(data).resolve()) if data else None,
             "settings": settings.model_dump(
-                include={"traffic", "num_prompts", "max_prompt_tokens", "max_new_tokens", "stdlib_files", "max_seq_len"}
+                include={
+                    "traffic",
+                    "num_prompts",
+                    "max_prompt_tokens",
+                    "max_new_tokens",
+                    "responses_per_prompt",
+                    "response_temperature",
+                    "stdlib_files",
+                    "max_seq_len",
+                }
             ),
             "aux_layers": settings.aux_layers,
             "code": code_version(),
@@ -82,7 +91,13 @@ def run_speculator(
                 tokenizer, settings.traffic, data, settings.num_prompts, settings.max_prompt_tokens
             )
             source = LLMEngine(states_from, EngineConfig(enable_prefix_caching=False)) if states_from else engine
-            sequences = generate_responses(source, prompts, settings.max_new_tokens)
+            sequences = generate_responses(
+                source,
+                prompts,
+                settings.max_new_tokens,
+                settings.responses_per_prompt,
+                settings.response_temperature,
+            )
             if settings.traffic in ("code", "mixed"):
                 sequences += teacher_forced_code(tokenizer, settings.stdlib_files, settings.max_seq_len)
             partial = work / "data.partial"

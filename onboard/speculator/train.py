@@ -155,7 +155,8 @@ def train_draft(
     from transformers import get_cosine_schedule_with_warmup
 
     torch.manual_seed(settings.seed)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    # bf16 autocast: half the fp32 time on CPUs with AVX512-BF16/AMX, and what GPUs train in anyway.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16")
     examples = load_examples(data_dir, settings.max_seq_len)
     if not examples:
         raise ValueError(f"{data_dir}: no training sequences")
@@ -187,7 +188,8 @@ def train_draft(
             totals = {"loss": 0.0, "acceptance": 0.0, "accuracy": [0.0] * settings.ttt_steps, "batches": 0}
             draft.train()
             for batch in loader:
-                loss, accuracy, expected = ttt_loss(accelerator.unwrap_model(draft), batch, head, settings)
+                with accelerator.autocast():
+                    loss, accuracy, expected = ttt_loss(accelerator.unwrap_model(draft), batch, head, settings)
                 accelerator.backward(loss)
                 accelerator.clip_grad_norm_(params, 1.0)
                 optimizer.step()

@@ -1,5 +1,9 @@
-"""Greedy speculative decoding on the paged cache: same tokens as plain greedy decoding, no leaked blocks."""
+"""Speculative decoding inside the engine: the same tokens as plain decoding (greedy), the same
+distribution (sampling), exact rollback of rejected tokens in the KV cache, the prefix cache and
+the grammar matcher, and nothing leaked."""
 
+import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -8,72 +12,89 @@ from transformers import AutoConfig
 
 from onboard.adapt.parity import compare_greedy
 from onboard.engine.config import EngineConfig
+from onboard.engine.grammar import GrammarSpec
 from onboard.engine.llm_engine import LLMEngine
 from onboard.engine.sampler import SamplingParams
-from onboard.engine.spec_decode import SpeculativeDecoder
+from onboard.engine.spec_decode import Speculator
+from onboard.models import inspect_checkpoint, load_tokenizer
 from onboard.speculator.draft import Eagle3Draft, draft_layer_config
 
-ENGINE = EngineConfig(block_size=4, num_blocks=256, max_model_len=256, enable_prefix_caching=False)
+ENGINE = {"block_size": 4, "num_blocks": 256, "max_model_len": 256, "enable_prefix_caching": False}
+
+
+def make_engine(path: Path, dtype: torch.dtype = torch.float32, **overrides) -> LLMEngine:
+    return LLMEngine(path, EngineConfig(**{**ENGINE, **overrides}), dtype=dtype)
 
 
 def seeded_draft(path: Path, engine: LLMEngine, vocab: torch.Tensor, seed: int) -> Eagle3Draft:
     torch.manual_seed(seed)
-    config = AutoConfig.from_pretrained(path)
-    draft = Eagle3Draft(draft_layer_config(config), len(vocab), [0, 1])
+    draft = Eagle3Draft(draft_layer_config(AutoConfig.from_pretrained(path)), len(vocab), [0, 1])
     draft.set_vocab(vocab)
     model = engine.runner.model
-    head = model.lm_head.weight.float()
-    draft.init_from_target(model.embed_tokens.float(), head, model.norm.weight.float())
+    draft.init_from_target(model.embed_tokens.float(), model.lm_head.weight.float(), model.norm.weight.float())
     return draft.eval()
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def assert_drained(engine: LLMEngine) -> None:
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.config.num_blocks
+    engine.block_manager.check_invariants([])
+    assert engine.speculator is None or engine.speculator.states == {}
+
+
+def top_ids(completion) -> list[list[int]]:
+    return [[token for token, _ in entry["top"]] for entry in completion.logprobs]
+
+
+def random_prompts(vocab_size: int, lengths: tuple[int, ...], seed: int = 7) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
 @pytest.mark.parametrize("k", [1, 3])
-def test_speculative_greedy_equals_plain_greedy(
-    arch: str, k: int, dtype: torch.dtype, request: pytest.FixtureRequest
-) -> None:
+def test_speculative_greedy_equals_plain_greedy(arch: str, k: int, dtype: torch.dtype, request) -> None:
     path = request.getfixturevalue(arch)
-    # Verification attends row by row exactly as decoding does.
-    engine = LLMEngine(path, ENGINE, dtype=dtype)
+    engine = make_engine(path, dtype)
     vocab_size = engine.runner.vocab_size
+    prompts = random_prompts(vocab_size, (5, 12, 31))
+    params = greedy(24, logprobs=5)
+    plain = engine.generate(prompts, params)
     # A draft vocabulary of every other id: some target choices are impossible to propose.
-    draft = seeded_draft(path, engine, torch.arange(0, vocab_size, 2), seed=k)
-    decoder = SpeculativeDecoder(engine, draft, k)
-    gen = torch.Generator().manual_seed(7)
-    accepted = []
-    for length in (5, 12, 31):
-        prompt = torch.randint(3, vocab_size, (length,), generator=gen).tolist()
-        (plain,) = engine.generate(
-            [prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
-        )
-        spec = decoder.generate(prompt, 24)
-        if dtype == torch.float32:
-            assert spec.token_ids == plain.token_ids, (length, spec.accepted)
-            assert [top[0] for top in spec.top] == spec.token_ids  # each token is the target's top-1
-        else:
-            # bf16: a K+1-row GEMM may round a few elements unlike a one-row GEMV (oneDNN picks
-            # another kernel), so tokens may part at a near-tie, never elsewhere.
-            plain_top = [[t for t, _ in entry["top"]] for entry in plain.logprobs]
-            assert compare_greedy(spec.token_ids, plain.token_ids, spec.top, plain_top).near_tie, length
-        assert all(0 <= a <= k for a in spec.accepted)
-        # Every round emits its accepted proposals plus one token of the target's.
-        assert sum(a + 1 for a in spec.accepted) >= len(spec.token_ids) - 1
-        accepted += spec.accepted
-        assert engine.block_manager.num_free_blocks == engine.config.num_blocks  # nothing leaked
-    assert len(accepted) >= 3 * 23 // (k + 1)  # at most k + 1 tokens per target forward
+    engine.set_speculator(seeded_draft(path, engine, torch.arange(0, vocab_size, 2), seed=k), k)
+    for batch in ([prompts[0]], [prompts[1]], [prompts[2]], prompts):  # alone, and batched with the others
+        spec = engine.generate(batch, params)
+        for a, b in zip(spec, [plain[prompts.index(p)] for p in batch], strict=True):
+            if dtype == torch.float32:
+                assert a.token_ids == b.token_ids
+                assert [top[0] for top in top_ids(a)] == a.token_ids  # each token is the target's top-1
+            else:
+                # bf16: a K+1-row GEMM may round a few elements unlike a one-row GEMV, so tokens
+                # may part at a near-tie, never elsewhere.
+                assert compare_greedy(a.token_ids, b.token_ids, top_ids(a), top_ids(b)).near_tie
+        assert_drained(engine)
+    stats = engine.speculator.stats
+    assert 0 <= stats.num_accepted_tokens <= stats.num_draft_tokens <= k * stats.num_drafts
+    per_position = stats.accepted_per_position
+    assert len(per_position) == k and sum(per_position) == stats.num_accepted_tokens
+    assert all(a >= b for a, b in itertools.pairwise(per_position))  # position j+1 needs j accepted
 
 
-class OracleDecoder(SpeculativeDecoder):
+class OracleSpeculator(Speculator):
     """Proposes the known greedy continuation, wrong at every position divisible by 3."""
 
-    def __init__(self, engine: LLMEngine, draft: Eagle3Draft, k: int, prompt: list[int], continuation: list[int]):
-        super().__init__(engine, draft, k)
-        self.known = prompt + continuation
+    def __init__(self, draft: Eagle3Draft, k: int, known: list[int]):
+        super().__init__(draft, k)
+        self.known = known
 
-    def _draft(self, tokens, aux, hidden, first_position, cache):
-        logits, hidden = super()._draft(tokens, aux, hidden, first_position, cache)
-        position = first_position + len(tokens)
+    def _rows(self, tokens, hidden, first_position, cache):
+        logits, hidden = super()._rows(tokens, hidden, first_position, cache)
+        position = first_position + len(tokens)  # of the token the last row predicts
         token = self.known[position] if position < len(self.known) else 0
         forced = torch.full_like(logits, -1e9)
         forced[token + 1 if position % 3 == 0 else token] = 0.0  # the full vocabulary: index == id
@@ -81,37 +102,77 @@ class OracleDecoder(SpeculativeDecoder):
 
 
 @pytest.mark.parametrize("k", [2, 4])
-def test_accepted_and_rejected_proposals_roll_back_exactly(tiny_llama: Path, k: int) -> None:
-    engine = LLMEngine(tiny_llama, ENGINE, dtype=torch.float32)
+def test_rejected_proposals_roll_back_exactly(tiny_llama: Path, k: int) -> None:
+    """After rounds with every number of accepted proposals, the KV the sequence leaves in the
+    prefix cache is the one plain decoding writes: a later request reusing it decodes the same."""
+    engine = make_engine(tiny_llama, enable_prefix_caching=True)
     draft = seeded_draft(tiny_llama, engine, torch.arange(engine.runner.vocab_size), seed=0)
     prompt = list(range(10, 27))
-    (plain,) = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    spec = OracleDecoder(engine, draft, k, prompt, plain.token_ids).generate(prompt, 40)
+    (plain,) = engine.generate([prompt], greedy(40))
+    fresh = make_engine(tiny_llama)  # nothing cached
+    engine.speculator = OracleSpeculator(draft, k, prompt + plain.token_ids)
+    (spec,) = engine.generate([prompt], greedy(40))
     assert spec.token_ids == plain.token_ids
-    assert (max(spec.accepted) >= 2 and 0 in spec.accepted) or min(spec.accepted) < k  # full and partial rounds
-    assert len(spec.accepted) < len(plain.token_ids) / 1.5  # far fewer target forwards than tokens
-    assert engine.block_manager.num_free_blocks == engine.config.num_blocks
+    stats = engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # accepted and rejected rounds
+    assert stats.num_drafts < len(plain.token_ids) / 1.5  # far fewer target forwards than tokens
+    assert_drained(engine)
+
+    # Blocks the speculative request registered hold verified tokens only, with their true KV.
+    engine.set_speculator(None, 0)
+    longer = prompt + spec.token_ids[:30]
+    (reused,) = engine.generate([longer], greedy(12, logprobs=5))
+    (cold,) = fresh.generate([longer], greedy(12, logprobs=5))
+    assert engine.block_manager.hit_rate > 0
+    assert reused.token_ids == cold.token_ids
+    for a, b in zip(reused.logprobs, cold.logprobs, strict=True):
+        assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+
+
+def test_structured_output_with_speculation(tiny_llama: Path) -> None:
+    """Grammar-constrained proposals, matcher rolled back after each verification: the same JSON
+    as without speculation, and the grammar state ends where plain decoding's does."""
+    schema = {
+        "type": "object",
+        "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["kind", "age"],
+        "additionalProperties": False,
+    }
+    engine = make_engine(tiny_llama, num_blocks=512, max_model_len=512)
+    tokenizer = load_tokenizer(inspect_checkpoint(tiny_llama))
+    prompts = [tokenizer(text)["input_ids"] for text in ("A pet:", "Describe an animal as JSON.")]
+    params = SamplingParams(temperature=0.0, max_tokens=200, frequency_penalty=2.0, presence_penalty=2.0)
+    spec_grammar = GrammarSpec("json_schema", json.dumps(schema))
+    plain = engine.generate(prompts, params, spec_grammar)
+    engine.set_speculator(seeded_draft(tiny_llama, engine, torch.arange(engine.runner.vocab_size), seed=1), 3)
+    spec = engine.generate(prompts, params, spec_grammar)
+    for a, b in zip(spec, plain, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason == "stop"
+        value = json.loads(a.text)
+        assert value["kind"] in ("cat", "dog") and 0 <= value["age"] <= 99
+    assert engine.speculator.stats.num_draft_tokens > 0
+    assert_drained(engine)
 
 
 def test_speculative_sampling_is_distributed_as_plain_sampling(tiny_llama: Path) -> None:
     """Chi-square over the first two tokens (the second one speculative), 20,000 seeded samples each."""
     scipy_stats = pytest.importorskip("scipy.stats")
-    engine = LLMEngine(tiny_llama, ENGINE, dtype=torch.float32)
-    draft = seeded_draft(tiny_llama, engine, torch.arange(0, engine.runner.vocab_size, 2), seed=3)
-    decoder = SpeculativeDecoder(engine, draft, 1)
+    engine = make_engine(tiny_llama, max_num_seqs=256, max_num_batched_tokens=4096)
     prompt = [5, 17, 99, 23, 250]
     samples = 20_000
     # Temperature 1.5 flattens these random models' distributions; top-k 4 keeps the table small.
     params = [SamplingParams(temperature=1.5, top_k=4, max_tokens=2, ignore_eos=True, seed=s) for s in range(samples)]
     plain = engine.generate([prompt] * samples, params)
-    spec = [decoder.generate(prompt, 2, params=p).token_ids for p in params]
-    pairs = sorted({tuple(c.token_ids) for c in plain} | {tuple(t) for t in spec})
+    engine.set_speculator(seeded_draft(tiny_llama, engine, torch.arange(0, engine.runner.vocab_size, 2), seed=3), 1)
+    spec = engine.generate([prompt] * samples, params)
+    assert engine.speculator.stats.num_drafts == samples
+    pairs = sorted({tuple(c.token_ids) for c in plain} | {tuple(c.token_ids) for c in spec})
     index = {pair: i for i, pair in enumerate(pairs)}
     table = torch.zeros(2, len(pairs))
-    for c in plain:
-        table[0, index[tuple(c.token_ids)]] += 1
-    for t in spec:
-        table[1, index[tuple(t)]] += 1
+    for row, completions in enumerate((plain, spec)):
+        for c in completions:
+            table[row, index[tuple(c.token_ids)]] += 1
     table = table[:, table.sum(0) >= 10]  # chi-square needs populated cells
     result = scipy_stats.chi2_contingency(table.numpy())
     assert result.pvalue > 0.001, (result.pvalue, table)
+    assert_drained(engine)
