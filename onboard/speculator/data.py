@@ -41,11 +41,22 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
 
 
+def split_data(data: Path, num_held_out: int) -> tuple[list[Record], list[Record]]:
+    """DATA's rows for training, and its last `num_held_out` rows held out for measuring (none
+    when that would leave fewer rows to train on than to measure on)."""
+    records = load_records(data)
+    if len(records) < 2 * num_held_out:
+        return records, []
+    return records[: len(records) - num_held_out], records[len(records) - num_held_out :]
+
+
 def training_prompts(
-    tokenizer, traffic: str, data: Path | None, num_prompts: int, max_prompt_tokens: int
+    tokenizer, traffic: str, records: list[Record] | None, num_prompts: int, max_prompt_tokens: int
 ) -> list[tuple[list[int], str]]:
-    """Chat-templated prompt token ids and their traffic type, in a fixed order."""
-    records = load_records(data) if data is not None else builtin_records("calib", TRAFFIC[traffic], stdlib_files=0)
+    """Chat-templated prompt token ids and their traffic type, in a fixed order; `records` None:
+    the project's calibration prompts of the traffic."""
+    if records is None:
+        records = builtin_records("calib", TRAFFIC[traffic], stdlib_files=0)
     out = []
     for record in records[: num_prompts * 2]:  # a few may tokenize to nothing
         ids = tokenize_records([record], tokenizer, chat=True, max_length=max_prompt_tokens)
@@ -83,17 +94,15 @@ def generate_responses(
         for draw in range(responses_per_prompt)
         for i, (prompt, kind) in enumerate(prompts)
     ]
-    out: list[Sequence] = []
-    batch = 32
+    ids = [engine.add_request(prompt, params) for prompt, _, params in work]
+    tokens: dict[int, list[int]] = {i: [] for i in ids}
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("speculator: target responses", total=len(work))
-        for start in range(0, len(work), batch):
-            chunk = work[start : start + batch]
-            done = engine.generate([p for p, _, _ in chunk], [q for _, _, q in chunk])
-            for (prompt, kind, _), completion in zip(chunk, done, strict=True):
-                out.append(Sequence(prompt + completion.token_ids, len(prompt), kind))
-            progress.advance(task, len(chunk))
-    return out
+        while engine.has_unfinished():  # continuous batching over every response at once
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+                progress.advance(task, int(out.finished))
+    return [Sequence(prompt + tokens[i], len(prompt), kind) for i, (prompt, kind, _) in zip(ids, work, strict=True)]
 
 
 def capture_shards(

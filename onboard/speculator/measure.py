@@ -16,9 +16,11 @@ from onboard.speculator.draft import Eagle3Draft
 TOP = 5  # top log-probabilities per token: what the near-tie rule compares
 
 
-def held_out_prompts(tokenizer, traffic: list[str], data: Path | None, count: int, max_tokens: int = 256):
-    """(prompt ids, traffic type) from DATA or the eval split (never trained on), round-robin by type."""
-    records = load_records(data) if data is not None else builtin_records("eval", traffic, stdlib_files=0)
+def held_out_prompts(tokenizer, traffic: list[str], records: list | None, count: int, max_tokens: int = 256):
+    """(prompt ids, traffic type) from `records`, or from the eval split (never trained on)
+    round-robin by type when None."""
+    if records is None:
+        records = builtin_records("eval", traffic, stdlib_files=0)
     out = []
     for record in records:
         if len(out) >= count:
@@ -125,7 +127,8 @@ def run_spec_bench(
     from onboard.workspace import console
 
     engine = LLMEngine(artifact, EngineConfig(enable_prefix_caching=False))
-    prompts = held_out_prompts(engine.tokenizer, ["chat", "code", "math"], data, num_prompts)
+    records = load_records(data) if data is not None else None
+    prompts = held_out_prompts(engine.tokenizer, ["chat", "code", "math"], records, num_prompts)
     results = {}
     for path in [draft_dir, *others]:
         draft = load_speculator(path)

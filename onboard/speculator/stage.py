@@ -24,6 +24,7 @@ from onboard.speculator.data import (
     default_aux_layers,
     draft_vocabulary,
     generate_responses,
+    split_data,
     teacher_forced_code,
     training_prompts,
 )
@@ -82,13 +83,15 @@ def run_speculator(
         layers = engine.runner.hf_config.get_text_config().num_hidden_layers
         aux_layers = settings.aux_layers or default_aux_layers(layers)
         started = time.perf_counter()
+        # With DATA, its last rows are held out and measured on; without, the eval split.
+        train_records, eval_records = split_data(data, settings.eval_prompts) if data else (None, None)
         work_data = work / "data"
         if (work_data / "KEY").is_file() and (work_data / "KEY").read_text() == data_key:
             console.print(f"speculator: reusing captured data in {work_data}")
             index = json.loads((work_data / "index.json").read_text())
         else:
             prompts = training_prompts(
-                tokenizer, settings.traffic, data, settings.num_prompts, settings.max_prompt_tokens
+                tokenizer, settings.traffic, train_records, settings.num_prompts, settings.max_prompt_tokens
             )
             source = LLMEngine(states_from, EngineConfig(enable_prefix_caching=False)) if states_from else engine
             sequences = generate_responses(
@@ -126,8 +129,9 @@ def run_speculator(
         k = settings.num_speculative_tokens
         export_speculator(draft, stage.path("artifact/speculator"), run.artifact.resolve(), k)
 
+        traffic = TRAFFIC[settings.traffic]
         held_out = held_out_prompts(
-            tokenizer, TRAFFIC[settings.traffic], None, settings.eval_prompts, settings.max_prompt_tokens
+            tokenizer, traffic, eval_records or None, settings.eval_prompts, settings.max_prompt_tokens
         )
         metrics = measure_acceptance(engine, draft, settings.num_speculative_tokens, held_out, settings.eval_max_tokens)
         metrics.update(
