@@ -168,6 +168,9 @@ def speculator(
     num_speculative_tokens: Annotated[int | None, typer.Option(help="K, draft tokens per target forward")] = None,
     epochs: Annotated[int | None, typer.Option(help="training epochs")] = None,
     num_prompts: Annotated[int | None, typer.Option(help="prompts whose responses are regenerated")] = None,
+    responses_per_prompt: Annotated[
+        int | None, typer.Option(help="responses per prompt: the greedy one, then sampled ones")
+    ] = None,
     states_from: Annotated[
         Path | None, typer.Option(help="train on this checkpoint's responses and states (e.g. the BF16 original)")
     ] = None,
@@ -187,6 +190,7 @@ def speculator(
             "--num-speculative-tokens": ("speculator.num_speculative_tokens", num_speculative_tokens),
             "--epochs": ("speculator.epochs", epochs),
             "--num-prompts": ("speculator.num_prompts", num_prompts),
+            "--responses-per-prompt": ("speculator.responses_per_prompt", responses_per_prompt),
         },
     )
     data = _existing_data(data)
@@ -333,6 +337,7 @@ DEMO_PROFILES = {
         "speculator": {
             "num_prompts": 24,
             "max_new_tokens": 64,
+            "responses_per_prompt": 1,
             "stdlib_files": 4,
             "epochs": 2,
             "eval_prompts": 6,
