@@ -231,37 +231,30 @@ class LLMEngine:
         offsets = [0]
         for item in scheduled:
             offsets.append(offsets[-1] + item.num_new_tokens)
-        rows = [
-            index
-            for item, end in zip(scheduled, offsets[1:], strict=True)
-            if item.samples
-            for index in (range(end - item.num_new_tokens, end) if item.seq.seq_id in proposals else [end - 1])
-        ]
-        logits = model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long)]) if rows else None
-
-        plain = [item for item in scheduled if item.samples and item.seq.seq_id not in proposals]
-        plain_rows, spec_rows, row = [], {}, 0
-        for item in scheduled:
+        # Logits rows: the last of a plain sampling sequence, every one of a verifying sequence.
+        rows: list[int] = []
+        plain, plain_rows, spec_rows = [], [], {}
+        for item, end in zip(scheduled, offsets[1:], strict=True):
             if not item.samples:
                 continue
             if item.seq.seq_id in proposals:
-                spec_rows[item.seq.seq_id] = slice(row, row + item.num_new_tokens)
-                row += item.num_new_tokens
+                spec_rows[item.seq.seq_id] = slice(len(rows), len(rows) + item.num_new_tokens)
+                rows.extend(range(end - item.num_new_tokens, end))
             else:
-                plain_rows.append(row)
-                row += 1
+                plain.append(item)
+                plain_rows.append(len(rows))
+                rows.append(end - 1)
+        logits = model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long)]) if rows else None
         sampled = self._sample(plain, logits[torch.tensor(plain_rows, dtype=torch.long)]) if plain else {}
         self.scheduler.postprocess(
             [item for item in scheduled if item.seq.seq_id not in proposals],
             {seq_id: token for seq_id, (token, _) in sampled.items()},
         )
         outputs = [self._advance(self.requests[seq_id], token, lp) for seq_id, (token, lp) in sampled.items()]
-        verified = {}
         for item in scheduled:
             seq = item.seq
             if seq.seq_id in proposals and not seq.is_finished:
                 outputs.append(self._commit(item, logits[spec_rows[seq.seq_id]], proposals[seq.seq_id]))
-                verified[seq.seq_id] = outputs[-1]
 
         for item, start, first_row in zip(scheduled, starts, offsets, strict=False):
             seq = item.seq
