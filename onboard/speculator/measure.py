@@ -89,6 +89,7 @@ def measure_acceptance(engine, draft: Eagle3Draft, k: int, prompts: list[tuple[l
         "spec_greedy_exact_rate": exact / max(len(prompts), 1),
         # Identical, or first diverging at a near-tie (adapt's rule): what batching noise allows.
         "spec_lossless_greedy": near_ties == len(prompts),
+        "spec_lossless_prompts": near_ties,  # of num_prompts: identical, or parted at a near-tie
         "num_prompts": len(prompts),
         "num_tokens": tokens,
         "by_traffic": {kind: summary(counts) for kind, counts in sorted(groups.items())},
