@@ -7,6 +7,20 @@ from typing import Annotated
 
 import typer
 
+from onboard.cli_engine import adapt, bench, serve
+from onboard.cli_options import (
+    CalibOpt,
+    DataOpt,
+    MaxTokOpt,
+    PickleOpt,
+    RecipeOpt,
+    RemoteOpt,
+    SamplesOpt,
+    SchemeOpt,
+    SeqLenOpt,
+    existing_data,
+    recipe_with_overrides,
+)
 from onboard.errors import OnboardError
 
 app = typer.Typer(
@@ -18,52 +32,6 @@ app = typer.Typer(
 )
 
 STAGES = ("quantize", "eval", "speculator")
-SchemeOpt = Annotated[str | None, typer.Option(help="nvfp4 | nvfp4a16 | fp8 (default: the recipe's)")]
-RecipeOpt = Annotated[Path | None, typer.Option(help="recipes/NAME.yaml (default: matched by architecture)")]
-PickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="load pickle (.bin) weights: can run code")]
-RemoteOpt = Annotated[bool, typer.Option("--trust-remote-code", help="run the checkpoint's own Python code")]
-CalibOpt = Annotated[Path | None, typer.Option(help="calibration DATA (default: the project's prompts)")]
-SamplesOpt = Annotated[int | None, typer.Option(help="calibration samples (default: the recipe's)")]
-SeqLenOpt = Annotated[int | None, typer.Option(help="calibration sequence length (default: the recipe's)")]
-DataOpt = Annotated[Path | None, typer.Option(help="held-out DATA (default: the project's eval split)")]
-MaxTokOpt = Annotated[int | None, typer.Option(help="held-out tokens to score (default: the recipe's)")]
-
-
-def _recipe(
-    checkpoint,
-    recipe_path: Path | None,
-    scheme: str | None,
-    samples: int | None,
-    seq_len: int | None,
-    max_tokens: int | None,
-):
-    """The recipe (explicit or matched by architecture) with CLI overrides applied."""
-    from onboard.recipes import load_recipe, recipe_for, with_overrides
-    from onboard.workspace import console
-
-    if recipe_path:
-        recipe = load_recipe(recipe_path)
-    else:
-        recipe, recipe_path = recipe_for(checkpoint.architectures)
-    console.print(f"recipe: {recipe_path or 'built-in defaults'} ({recipe.name})")
-    return with_overrides(
-        recipe,
-        {
-            "--scheme": ("quantize.scheme", scheme),
-            "--num-samples": ("quantize.calibration.num_samples", samples),
-            "--max-seq-length": ("quantize.calibration.max_seq_length", seq_len),
-            "--max-tokens": ("eval.max_tokens", max_tokens),
-        },
-    )
-
-
-def _existing_data(path: Path | None) -> Path | None:
-    """Read DATA once up front, so an empty or unreadable file fails before any stage starts."""
-    if path is not None:
-        from onboard.data import load_records
-
-        load_records(path)
-    return path
 
 
 def _pipeline(
@@ -91,12 +59,12 @@ def _pipeline(
         raise OnboardError(f"unknown stage {unknown[0]!r}; stages are {', '.join(STAGES)}")
     # Everything the user gave is checked before the run directory is touched.
     checkpoint = resolve_model(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
-    resolved = _recipe(checkpoint, recipe, scheme, samples, seq_len, max_tokens)
+    resolved = recipe_with_overrides(checkpoint, recipe, scheme, samples, seq_len, max_tokens)
     if speculator:
         resolved = type(resolved).model_validate(
             {**resolved.model_dump(), "speculator": {**resolved.speculator.model_dump(), **speculator}}
         )
-    calib, data = _existing_data(calib), _existing_data(data)
+    calib, data = existing_data(calib), existing_data(data)
     with RunDir(out) as run:
         run.record_recipe(resolved)
         if "quantize" in stages:
@@ -154,7 +122,7 @@ def evaluate(
     recipe = with_overrides(run.recipe(), {"--max-tokens": ("eval.max_tokens", max_tokens)})
     if not (run_dir / MANIFEST).is_file():
         raise OnboardError(f"{run_dir} is not a run directory (no {MANIFEST}); run `onboard quantize` first")
-    data = _existing_data(data)
+    data = existing_data(data)
     with run:
         run.require("quantize")
         run_eval(run, recipe.eval, data, out)
@@ -193,7 +161,7 @@ def speculator(
             "--responses-per-prompt": ("speculator.responses_per_prompt", responses_per_prompt),
         },
     )
-    data = _existing_data(data)
+    data = existing_data(data)
     if states_from is not None and not (states_from / "config.json").is_file():
         raise OnboardError(f"--states-from {states_from}: not a checkpoint directory (no config.json)")
     with run:
@@ -230,103 +198,8 @@ def run(
     )
 
 
-@app.command()
-def adapt(
-    path: Annotated[Path, typer.Argument(help="a run directory (its artifact) or a checkpoint directory")],
-    out: Annotated[Path | None, typer.Option(help="where adapt/parity.json goes (default: the run directory)")] = None,
-    allow_pickle: PickleOpt = False,
-) -> None:
-    """Map the checkpoint onto the reference engine and prove logit parity with transformers."""
-    from onboard.adapt.stage import engine_model_for, resolve_target, run_adapt
-    from onboard.models import inspect_checkpoint
-    from onboard.workspace import RunDir
-
-    model_dir, run_dir = resolve_target(path, out)
-    checkpoint = inspect_checkpoint(model_dir, allow_pickle=allow_pickle)
-    engine_model_for(checkpoint)  # an unsupported architecture fails before RUN_DIR is touched
-    with RunDir(run_dir) as run:
-        run_adapt(run, checkpoint)
-
-
-@app.command()
-def bench(
-    path: Annotated[Path, typer.Argument(help="a run directory (its artifact) or a checkpoint directory")],
-    data: Annotated[Path | None, typer.Option(help="prompts (default: the project's eval split)")] = None,
-    out: Annotated[Path | None, typer.Option(help="also write the figures to this JSON file")] = None,
-    speculator: Annotated[
-        bool, typer.Option("--speculator", help="measure RUN_DIR/artifact/speculator against the engine alone")
-    ] = False,
-    compare: Annotated[
-        list[Path] | None, typer.Option(help="with --speculator: other speculator exports to measure alongside")
-    ] = None,
-    num_prompts: Annotated[int, typer.Option(help="with --speculator: held-out prompts")] = 24,
-    max_tokens: Annotated[int, typer.Option(help="with --speculator: tokens generated per prompt")] = 96,
-) -> None:
-    """Engine against transformers.generate: tokens/s at concurrency 1 and 16, prefix-cache TTFT;
-    with --speculator, the speculator's acceptance and speed-up in the engine instead."""
-    from onboard import atomic
-    from onboard.models import inspect_checkpoint
-    from onboard.workspace import console
-
-    model_dir = path / "artifact" if (path / "manifest.json").is_file() else path
-    checkpoint = inspect_checkpoint(model_dir)
-    if speculator:
-        from onboard.speculator.measure import run_spec_bench
-
-        draft_dir = model_dir / "speculator"
-        if not (draft_dir / "config.json").is_file():
-            raise OnboardError(f"{draft_dir} holds no speculator; run `onboard speculator {path}` first")
-        for other in compare or []:
-            if not (other / "config.json").is_file():
-                raise OnboardError(f"--compare {other}: not a speculator export (no config.json)")
-        result = run_spec_bench(model_dir, draft_dir, compare or [], _existing_data(data), num_prompts, max_tokens)
-    else:
-        from onboard.bench import bench_table, run_bench
-
-        result = run_bench(checkpoint, _existing_data(data))
-        console.print(bench_table(result))
-    if out:
-        atomic.write_json(out, result)
-
-
-@app.command()
-def serve(
-    path: Annotated[Path, typer.Argument(help="a run directory (its artifact) or a checkpoint directory")],
-    host: Annotated[str, typer.Option(help="address to bind (127.0.0.1: this machine only)")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
-    api_key: Annotated[str | None, typer.Option(help="require `Authorization: Bearer KEY` (not on /health)")] = None,
-    served_model_name: Annotated[str | None, typer.Option(help="the model id (default: the directory name)")] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="prompt + completion tokens (default: 4096)")] = None,
-    device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
-    speculator: Annotated[
-        Path | None, typer.Option(help="an EAGLE-3 export (e.g. RUN_DIR/artifact/speculator): speculative decoding")
-    ] = None,
-    num_speculative_tokens: Annotated[
-        int | None, typer.Option(min=1, help="with --speculator: tokens proposed per step (default: the export's)")
-    ] = None,
-) -> None:
-    """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics) on the engine."""
-    from onboard.engine.config import EngineConfig
-    from onboard.server import serve as run_server
-
-    model_dir = path / "artifact" if (path / "manifest.json").is_file() else path
-    if not (model_dir / "config.json").is_file():
-        raise OnboardError(f"{model_dir} has no config.json: not a checkpoint (or a run without an artifact)")
-    if speculator is not None and not (speculator / "config.json").is_file():
-        raise OnboardError(f"--speculator {speculator}: not a speculator export (no config.json)")
-    config = EngineConfig(max_model_len=max_model_len) if max_model_len else EngineConfig()
-    name = served_model_name or path.resolve().name
-    run_server(
-        model_dir,
-        model_name=name,
-        host=host,
-        port=port,
-        api_key=api_key,
-        engine_config=config,
-        device=device,
-        speculator=speculator,
-        num_speculative_tokens=num_speculative_tokens,
-    )
+for command in (adapt, bench, serve):
+    app.command()(command)
 
 
 # The quick profile keeps CI and a first look short; full uses the recipe's own numbers.

@@ -58,11 +58,6 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
 
-    @property
-    def acceptance_length(self) -> float:
-        """Mean tokens emitted per verification (bonus included)."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
 
 @dataclass
 class Verdict:
@@ -85,7 +80,7 @@ class Speculator:
 
     def ready(self, seq) -> bool:
         state = self.states.get(seq.seq_id)
-        return state is not None and state.fed == len(seq) - 1 and state.logits is not None
+        return state is not None and state.fed == len(seq) - 1
 
     def drop(self, seq_id: int) -> None:
         self.states.pop(seq_id, None)

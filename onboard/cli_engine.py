@@ -1,0 +1,105 @@
+"""The engine-facing commands: `adapt`, `bench` and `serve` (registered on the app by `cli.py`)."""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from onboard.cli_options import PickleOpt, existing_data, model_dir_of
+from onboard.errors import OnboardError
+
+
+def adapt(
+    path: Annotated[Path, typer.Argument(help="a run directory (its artifact) or a checkpoint directory")],
+    out: Annotated[Path | None, typer.Option(help="where adapt/parity.json goes (default: the run directory)")] = None,
+    allow_pickle: PickleOpt = False,
+) -> None:
+    """Map the checkpoint onto the reference engine and prove logit parity with transformers."""
+    from onboard.adapt.stage import engine_model_for, resolve_target, run_adapt
+    from onboard.models import inspect_checkpoint
+    from onboard.workspace import RunDir
+
+    model_dir, run_dir = resolve_target(path, out)
+    checkpoint = inspect_checkpoint(model_dir, allow_pickle=allow_pickle)
+    engine_model_for(checkpoint)  # an unsupported architecture fails before RUN_DIR is touched
+    with RunDir(run_dir) as run:
+        run_adapt(run, checkpoint)
+
+
+def bench(
+    path: Annotated[Path, typer.Argument(help="a run directory (its artifact) or a checkpoint directory")],
+    data: Annotated[Path | None, typer.Option(help="prompts (default: the project's eval split)")] = None,
+    out: Annotated[Path | None, typer.Option(help="also write the figures to this JSON file")] = None,
+    speculator: Annotated[
+        bool, typer.Option("--speculator", help="measure RUN_DIR/artifact/speculator against the engine alone")
+    ] = False,
+    compare: Annotated[
+        list[Path] | None, typer.Option(help="with --speculator: other speculator exports to measure alongside")
+    ] = None,
+    num_prompts: Annotated[int, typer.Option(help="with --speculator: held-out prompts")] = 24,
+    max_tokens: Annotated[int, typer.Option(help="with --speculator: tokens generated per prompt")] = 96,
+) -> None:
+    """Engine against transformers.generate: tokens/s at concurrency 1 and 16, prefix-cache TTFT;
+    with --speculator, the speculator's acceptance and speed-up in the engine instead."""
+    from onboard import atomic
+    from onboard.models import inspect_checkpoint
+    from onboard.workspace import console
+
+    model_dir = model_dir_of(path)
+    checkpoint = inspect_checkpoint(model_dir)
+    if speculator:
+        from onboard.speculator.measure import run_spec_bench
+
+        draft_dir = model_dir / "speculator"
+        if not (draft_dir / "config.json").is_file():
+            raise OnboardError(f"{draft_dir} holds no speculator; run `onboard speculator {path}` first")
+        for other in compare or []:
+            if not (other / "config.json").is_file():
+                raise OnboardError(f"--compare {other}: not a speculator export (no config.json)")
+        result = run_spec_bench(model_dir, draft_dir, compare or [], existing_data(data), num_prompts, max_tokens)
+    else:
+        from onboard.bench import bench_table, run_bench
+
+        result = run_bench(checkpoint, existing_data(data))
+        console.print(bench_table(result))
+    if out:
+        atomic.write_json(out, result)
+
+
+def serve(
+    path: Annotated[Path, typer.Argument(help="a run directory (its artifact) or a checkpoint directory")],
+    host: Annotated[str, typer.Option(help="address to bind (127.0.0.1: this machine only)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    api_key: Annotated[str | None, typer.Option(help="require `Authorization: Bearer KEY` (not on /health)")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="the model id (default: the directory name)")] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="prompt + completion tokens (default: 4096)")] = None,
+    device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
+    speculator: Annotated[
+        Path | None, typer.Option(help="an EAGLE-3 export (e.g. RUN_DIR/artifact/speculator): speculative decoding")
+    ] = None,
+    num_speculative_tokens: Annotated[
+        int | None, typer.Option(min=1, help="with --speculator: tokens proposed per step (default: the export's)")
+    ] = None,
+) -> None:
+    """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics) on the engine."""
+    from onboard.engine.config import EngineConfig
+    from onboard.server import serve as run_server
+
+    model_dir = model_dir_of(path)
+    if not (model_dir / "config.json").is_file():
+        raise OnboardError(f"{model_dir} has no config.json: not a checkpoint (or a run without an artifact)")
+    if speculator is not None and not (speculator / "config.json").is_file():
+        raise OnboardError(f"--speculator {speculator}: not a speculator export (no config.json)")
+    config = EngineConfig(max_model_len=max_model_len) if max_model_len else EngineConfig()
+    name = served_model_name or path.resolve().name
+    run_server(
+        model_dir,
+        model_name=name,
+        host=host,
+        port=port,
+        api_key=api_key,
+        engine_config=config,
+        device=device,
+        speculator=speculator,
+        num_speculative_tokens=num_speculative_tokens,
+    )

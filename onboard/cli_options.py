@@ -1,0 +1,58 @@
+"""Options and checks the `onboard` commands share."""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+SchemeOpt = Annotated[str | None, typer.Option(help="nvfp4 | nvfp4a16 | fp8 (default: the recipe's)")]
+RecipeOpt = Annotated[Path | None, typer.Option(help="recipes/NAME.yaml (default: matched by architecture)")]
+PickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="load pickle (.bin) weights: can run code")]
+RemoteOpt = Annotated[bool, typer.Option("--trust-remote-code", help="run the checkpoint's own Python code")]
+CalibOpt = Annotated[Path | None, typer.Option(help="calibration DATA (default: the project's prompts)")]
+SamplesOpt = Annotated[int | None, typer.Option(help="calibration samples (default: the recipe's)")]
+SeqLenOpt = Annotated[int | None, typer.Option(help="calibration sequence length (default: the recipe's)")]
+DataOpt = Annotated[Path | None, typer.Option(help="held-out DATA (default: the project's eval split)")]
+MaxTokOpt = Annotated[int | None, typer.Option(help="held-out tokens to score (default: the recipe's)")]
+
+
+def existing_data(path: Path | None) -> Path | None:
+    """Read DATA once up front, so an empty or unreadable file fails before any stage starts."""
+    if path is not None:
+        from onboard.data import load_records
+
+        load_records(path)
+    return path
+
+
+def recipe_with_overrides(
+    checkpoint,
+    recipe_path: Path | None,
+    scheme: str | None,
+    samples: int | None,
+    seq_len: int | None,
+    max_tokens: int | None,
+):
+    """The recipe (explicit or matched by architecture) with CLI overrides applied."""
+    from onboard.recipes import load_recipe, recipe_for, with_overrides
+    from onboard.workspace import console
+
+    if recipe_path:
+        recipe = load_recipe(recipe_path)
+    else:
+        recipe, recipe_path = recipe_for(checkpoint.architectures)
+    console.print(f"recipe: {recipe_path or 'built-in defaults'} ({recipe.name})")
+    return with_overrides(
+        recipe,
+        {
+            "--scheme": ("quantize.scheme", scheme),
+            "--num-samples": ("quantize.calibration.num_samples", samples),
+            "--max-seq-length": ("quantize.calibration.max_seq_length", seq_len),
+            "--max-tokens": ("eval.max_tokens", max_tokens),
+        },
+    )
+
+
+def model_dir_of(path: Path) -> Path:
+    """A run directory's artifact, or the checkpoint directory itself."""
+    return path / "artifact" if (path / "manifest.json").is_file() else path
