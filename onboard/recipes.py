@@ -26,7 +26,7 @@ NEVER_QUANTIZE = [
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Calibration(_Strict):
@@ -68,6 +68,38 @@ class Speculator(_Strict):
     eval_max_tokens: int = Field(96, gt=0)
 
 
+class Smoke(_Strict):
+    num_prompts: int = Field(120, gt=0)  # built-in prompts, every traffic type (eval split first)
+    max_tokens: int = Field(512, gt=0)
+    temperature: float = Field(0.8, gt=0)  # the seeded-sampling pass; the other pass is greedy
+    top_p: float = Field(0.95, gt=0, le=1)
+    seed: int = 0
+    loop_min_period: int = Field(1, gt=0)
+    loop_max_period: int = Field(64, gt=0)
+    loop_min_repeats: int = Field(3, ge=2)
+    loop_min_span: int = Field(32, gt=0)
+    near_duplicate_similarity: float = Field(0.9, gt=0, le=1)  # Jaccard of token 4-gram sets
+    invariance_prompts: int = Field(8, ge=0)  # greedy outputs compared across batch compositions
+    invariance_max_tokens: int = Field(128, gt=0)
+    num_examples: int = Field(8, ge=0)  # worst cases kept in smoke.json
+
+
+class Gate(_Strict):
+    """Release thresholds; `onboard gate` checks each and `--set name=value` overrides one."""
+
+    max_mean_kld: float = Field(0.5, ge=0)
+    min_top1_agreement: float = Field(0.6, ge=0, le=1)
+    min_acceptance_length: float = Field(1.2, ge=1)
+    max_loop_rate_excess: float = Field(0.1, ge=0)  # artifact loop rate minus the reference's
+    max_run_on_excess: float = Field(0.1, ge=0)
+    max_near_duplicate_excess: float = Field(0.1, ge=0)
+    min_entropy_ratio: float = Field(0.5, ge=0)  # artifact mean entropy over the reference's
+    max_garbage_excess: float = Field(0.05, ge=0, le=1)  # outputs with bad UTF-8 or control characters
+    max_parity_logit_diff: float = Field(0.5, ge=0)
+    min_parity_top1_agreement: float = Field(0.99, ge=0, le=1)
+    require_batch_invariance: bool = True
+
+
 class Recipe(_Strict):
     name: str = "default"
     description: str = ""
@@ -76,9 +108,12 @@ class Recipe(_Strict):
     quantize: Quantize = Quantize()
     eval: Eval = Eval()
     speculator: Speculator = Speculator()
+    smoke: Smoke = Smoke()
+    gate: Gate = Gate()
 
 
-def _describe(err: ValidationError) -> str:
+def describe(err: ValidationError) -> str:
+    """One line naming each bad key of a recipe (or of a section of one)."""
     reasons = []
     for problem in err.errors():
         where = ".".join(str(part) for part in problem["loc"])
@@ -104,7 +139,7 @@ def load_recipe(path: Path) -> Recipe:
     try:
         return Recipe.model_validate(raw)
     except ValidationError as err:
-        raise OnboardError(f"recipe {path}: {_describe(err)}") from err
+        raise OnboardError(f"recipe {path}: {describe(err)}") from err
 
 
 def with_overrides(recipe: Recipe, overrides: dict[str, tuple[str, object]]) -> Recipe:

@@ -18,13 +18,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
 from rich.console import Console
 from safetensors import SafetensorError
 
 from onboard import atomic
 from onboard.errors import OnboardError
 from onboard.hashing import code_version, fingerprint, hash_json
-from onboard.recipes import Recipe
+from onboard.recipes import Recipe, describe
 
 MANIFEST = "manifest.json"
 STAGING = ".staging"
@@ -110,7 +111,10 @@ class RunDir:
 
     def recipe(self) -> Recipe:
         recorded = self.manifest().get("recipe")
-        return Recipe.model_validate(recorded) if recorded else Recipe()
+        try:
+            return Recipe.model_validate(recorded) if recorded else Recipe()
+        except ValidationError as err:
+            raise OnboardError(f"{self.root / MANIFEST}: the recorded recipe is invalid: {describe(err)}") from err
 
     def stage_entry(self, name: str) -> dict[str, Any] | None:
         return self.manifest()["stages"].get(name)

@@ -257,6 +257,31 @@ def make_cases(i: Inputs) -> dict[str, Case]:
             ["not a run directory"],
             i.existing_dir,
         ),
+        "smoke_not_a_run_dir": Case(
+            ["smoke", str(i.existing_dir)],
+            ["not a run directory"],
+            i.existing_dir,
+        ),
+        "report_not_a_run_dir": Case(
+            ["report", str(i.existing_dir)],
+            ["not a run directory"],
+            i.existing_dir,
+        ),
+        "gate_not_a_run_dir": Case(
+            ["gate", str(i.existing_dir)],
+            ["not a run directory"],
+            i.existing_dir,
+        ),
+        "run_unknown_stage": Case(
+            ["run", m, "--out", str(runs / "run_unknown_stage"), "--stages", "quantize,smok"],
+            ["'smok'"],
+            runs / "run_unknown_stage",
+        ),
+        "demo_unknown_profile": Case(
+            ["demo", "--profile", "huge"],
+            ["'huge'", "quick"],
+            i.existing_dir,
+        ),
         "bench_speculator_missing": Case(
             ["bench", m, "--speculator"],
             ["holds no speculator"],
@@ -356,6 +381,11 @@ CASES = [
     "calib_textless_dir",
     "eval_max_tokens_0",
     "speculator_not_a_run_dir",
+    "smoke_not_a_run_dir",
+    "report_not_a_run_dir",
+    "gate_not_a_run_dir",
+    "run_unknown_stage",
+    "demo_unknown_profile",
     "bench_speculator_missing",
     "serve_speculator_missing",
     "run_max_tokens_0",

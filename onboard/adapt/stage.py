@@ -40,9 +40,12 @@ def parity_prompts(tokenizer) -> list[list[int]]:
 
 @torch.inference_mode()
 def _reference_greedy(model, prompt: list[int], eos_ids: set[int], pad_id: int) -> tuple[list[int], list[list[int]]]:
+    """transformers' greedy continuation, decoded on two copies of the prompt: the engine runs every
+    linear on at least two rows (oneDNN rounds a one-row product differently, and batch invariance
+    needs one kernel for every batch size), so two rows make both sides run the same kernels."""
     out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        torch.tensor([prompt, prompt]),
+        attention_mask=torch.ones(2, len(prompt), dtype=torch.long),
         max_new_tokens=MAX_NEW_TOKENS,
         do_sample=False,
         eos_token_id=sorted(eos_ids),

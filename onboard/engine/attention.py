@@ -5,11 +5,10 @@ one step needs; the model builds it once per forward and every layer reuses it. 
 `paged_attention` writes the step's new K/V into the cache and then attends:
 
 * decode rows (sequences with one new token; all of a decode-only batch, or the decode part of a
-  mixed batch): a single sequence attends over its context sliced to length with no mask, exactly
-  the call transformers makes.  Several sequences on the CPU: one gather of all their blocks, then
-  one unpadded SDPA call per sequence with the GQA groups folded (`_decode_per_sequence`).
-  Elsewhere (CUDA, sliding windows): one padded `[B, kvh, L, d]` batch, ONE SDPA call, a
-  key-padding mask hiding the padding;
+  mixed batch).  On the CPU, one sequence or several: one gather of their blocks,
+  then one unpadded SDPA call per sequence, transformers' own (`_decode_per_sequence`), the same
+  computation whatever else is batched (batch invariance).  Elsewhere (CUDA, sliding
+  windows): one padded `[B, kvh, L, d]` batch, ONE SDPA call, a key-padding mask hiding the padding;
 * prefill rows (a sequence with several new tokens): one SDPA call per sequence.  A sequence whose
   whole context is new this step attends over its own new K/V with `is_causal=True` (nothing read
   back from the cache); one that continues a cached prefix (chunked prefill, prefix-cache hit)
@@ -18,7 +17,7 @@ one step needs; the model builds it once per forward and every layer reuses it. 
 
 Sliding windows (mistral, qwen2 sliding layers) add `key > query - window` to the masks, as
 transformers' `sliding_window_overlay` does; all KV stays in the cache.
-GQA uses SDPA's `enable_gqa=True` (no repeated K/V), except in `_decode_per_sequence`.
+GQA uses SDPA's `enable_gqa=True` (no repeated K/V).
 """
 
 from dataclasses import dataclass, field
@@ -28,6 +27,8 @@ import torch.nn.functional as F
 
 from onboard.engine.batch import ForwardBatch
 from onboard.engine.kv_cache import KVCache
+
+ROWWISE_MAX_QUERY = 8  # new tokens after a cached context at most, for row-by-row attention (CPU)
 
 
 @dataclass
@@ -68,14 +69,20 @@ class AttentionMetadata:
         device = torch.device(device)
         block_size = batch.block_size
         prefill: list[_PrefillSeq] = []
-        decode_seqs: list[int] = []
         decode_rows: list[int] = []
+        decode_ctx: list[int] = []  # per decode row: the context it attends over
+        decode_tables: list[list[int]] = []
         start = 0
         for i, (q_len, ctx_len) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
             end = start + q_len
-            if q_len == 1:
-                decode_seqs.append(i)
-                decode_rows.append(start)
+            if q_len == 1 or (q_len <= ROWWISE_MAX_QUERY < ctx_len and device.type == "cpu"):
+                # A few new tokens after a cached context (speculative verification): each row
+                # attends exactly as a decode step at its position would, so that verifying a
+                # draft gives bit for bit the tokens plain decoding gives.
+                for j in range(q_len):
+                    decode_rows.append(start + j)
+                    decode_ctx.append(ctx_len - q_len + j + 1)
+                    decode_tables.append(batch.block_tables[i])
             elif q_len > 1:
                 if ctx_len == q_len:
                     prefill.append(_PrefillSeq(start, end, ctx_len, None, None))
@@ -94,11 +101,11 @@ class AttentionMetadata:
             block_size=block_size,
             prefill=prefill,
         )
-        if decode_seqs:
-            ctx = [batch.context_lens[i] for i in decode_seqs]
+        if decode_rows:
+            ctx = decode_ctx
             longest = max(ctx)
             nblocks = -(-longest // block_size)
-            tables = [batch.block_tables[i][: -(-c // block_size)] for i, c in zip(decode_seqs, ctx, strict=True)]
+            tables = [t[: -(-c // block_size)] for t, c in zip(decode_tables, ctx, strict=True)]
             tables = [t + [0] * (nblocks - len(t)) for t in tables]
             if len(tables) == 1 and tables[0] == list(range(tables[0][0], tables[0][0] + nblocks)):
                 meta.decode_block_range = (tables[0][0], tables[0][0] + nblocks)
@@ -162,12 +169,11 @@ def _decode_per_sequence(
     """Decode attention as one unpadded SDPA call per sequence (`q_dec` `[B, h, d]` -> `[B, h, 1, d]`).
 
     On the CPU this is ~3x faster than one masked call over the padded batch, and a sequence's
-    result does not depend on what else is in the batch.  With GQA the query heads that share a
-    KV head are folded into the query-length axis (`[1, kvh, h/kvh, d]`, no mask: a decode query
-    sees its whole context): SDPA's CPU kernel then runs kvh head problems instead of h, another
-    3-5x on the demo model.  Its results equal the unfolded call's in almost every element (the
-    GEMM over 3 query rows may sum in another order); single-sequence decode, the path parity with
-    transformers is proven on, stays unfolded.
+    result does not depend on what else is in the batch; a lone sequence takes this path too.  The
+    call is transformers' own (`enable_gqa`, no mask).  Folding each GQA group into the query axis
+    would run 3 query rows per KV head and about 1.45x more tokens/s at 16 sequences on the demo
+    model, but its sums round differently from transformers', and W4A4 activation quantization
+    turns such last-bit differences into different tokens: parity with transformers goes first.
     """
     num_heads, head_dim = q_dec.shape[1], q_dec.shape[2]
     num_kv_heads = cache.num_kv_heads
@@ -180,9 +186,9 @@ def _decode_per_sequence(
     for i, (start, length) in enumerate(zip(meta.decode_token_offsets, meta.decode_context_lens, strict=True)):
         k = keys[None, :, start : start + length]  # [1, kvh, length, d]
         v = values[None, :, start : start + length]
-        q_i = q_dec[i].view(1, num_kv_heads, group, head_dim)
-        out = F.scaled_dot_product_attention(q_i, k, v, scale=scale)
-        outs.append(out.view(1, num_heads, 1, head_dim))
+        q_i = q_dec[i].view(1, num_heads, 1, head_dim)
+        out = F.scaled_dot_product_attention(q_i, k, v, scale=scale, enable_gqa=group > 1)
+        outs.append(out)
     return torch.cat(outs)
 
 
@@ -213,7 +219,7 @@ def paged_attention(
         rows = meta.decode_rows
         q_dec = q[rows] if isinstance(rows, slice) else q.index_select(0, rows)
         tables = meta.decode_block_tables
-        if q.device.type == "cpu" and tables.shape[0] > 1 and sliding_window is None:
+        if q.device.type == "cpu" and sliding_window is None:
             out = _decode_per_sequence(q_dec, layer, cache, meta, scale)
         else:
             shape = (tables.shape[0], -1, num_kv_heads, head_dim)

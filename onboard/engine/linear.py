@@ -68,5 +68,10 @@ class EngineLinear(torch.nn.Module):
         if self.act_quant is not None:
             x = self.act_quant(x)
         if self.packed is not None:
+            if x.dim() == 2 and x.shape[0] == 1:
+                # oneDNN runs a single row through another kernel than several rows, which sums in
+                # another order: padding to two rows keeps a request's tokens the same whatever else
+                # is batched with it (batch invariance; measured by `onboard smoke`).
+                return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), self.packed, self.bias, "none", [], "")[:1]
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.plain, self.bias)

@@ -89,12 +89,18 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float | None]  # raw-model logprob of the sampled token; None where not requested
     top_logprobs: list[list[tuple[int, float]] | None]  # best N (token, logprob), descending
+    entropies: list[float | None]  # entropy (nats) of the raw-model distribution, where logprobs were asked
 
     def logprob_entry(self, row: int) -> dict | None:
-        """{"token", "logprob", "top"} for one row, or None where logprobs were not requested."""
+        """{"token", "logprob", "top", "entropy"} for one row, or None where logprobs were not requested."""
         if self.logprobs[row] is None:
             return None
-        return {"token": self.token_ids[row], "logprob": self.logprobs[row], "top": self.top_logprobs[row]}
+        return {
+            "token": self.token_ids[row],
+            "logprob": self.logprobs[row],
+            "top": self.top_logprobs[row],
+            "entropy": self.entropies[row],
+        }
 
 
 def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[History]) -> None:
@@ -187,13 +193,11 @@ class Sampler:
         if rand:
             token_ids[torch.tensor(rand, device=x.device)] = self._sample_random(x, params, generators, rand)
         ids = token_ids.tolist()
-        logprobs, top = self._logprobs(raw, params, ids)
-        return SampleOutput(token_ids=ids, logprobs=logprobs, top_logprobs=top)
+        return SampleOutput(ids, *self._logprobs(raw, params, ids))
 
     def logprobs(self, raw: torch.Tensor, params: Sequence[SamplingParams], ids: list[int]) -> SampleOutput:
         """What `sample` reports for tokens chosen elsewhere (speculative verification)."""
-        logprobs, top = self._logprobs(raw.float(), params, ids)
-        return SampleOutput(token_ids=ids, logprobs=logprobs, top_logprobs=top)
+        return SampleOutput(ids, *self._logprobs(raw.float(), params, ids))
 
     @staticmethod
     def processed(
@@ -250,23 +254,26 @@ class Sampler:
     @staticmethod
     def _logprobs(
         raw: torch.Tensor, params: Sequence[SamplingParams], ids: list[int]
-    ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    ) -> tuple[list[float | None], list[list[tuple[int, float]] | None], list[float | None]]:
         logprobs: list[float | None] = [None] * len(ids)
         top: list[list[tuple[int, float]] | None] = [None] * len(ids)
+        entropies: list[float | None] = [None] * len(ids)
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not rows:
-            return logprobs, top
+            return logprobs, top, entropies
         lp = raw[torch.tensor(rows, device=raw.device)].log_softmax(dim=-1)
+        entropy = (-(lp.exp() * lp).nan_to_num().sum(dim=-1)).tolist()  # -inf logprobs: 0 * -inf -> 0
         n_max = max(params[i].logprobs or 0 for i in rows)
         top_vals, top_ids = lp.topk(n_max, dim=-1) if n_max else (None, None)
         sampled = lp.gather(-1, torch.tensor([[ids[i]] for i in rows], device=raw.device)).squeeze(-1).tolist()
         for j, i in enumerate(rows):
             logprobs[i] = sampled[j]
+            entropies[i] = entropy[j]
             n = params[i].logprobs or 0
             top[i] = (
                 list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=True)) if top_ids is not None else []
             )
-        return logprobs, top
+        return logprobs, top, entropies
 
 
 def check_stop(

@@ -42,6 +42,16 @@ class KLStats:
     def kl_values(self) -> np.ndarray:
         return torch.cat(self._kl).double().numpy() if self._kl else np.zeros(0)
 
+    def histogram(self, bins_per_decade: int = 4) -> dict[str, list]:
+        """Counts of per-token KL in log-spaced bins from 1e-4 to the decade above the max (values
+        below 1e-4 fall in the first bin): the shape behind the mean, for the report."""
+        kl = self.kl_values()
+        top = max(1, math.ceil(math.log10(max(float(kl.max(initial=0.0)), 1e-4))))
+        edges = np.logspace(-4, top, (top + 4) * bins_per_decade + 1)
+        edges[0] = 0.0
+        counts, _ = np.histogram(kl, bins=edges)
+        return {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts]}
+
     def summary(self) -> dict[str, float | int]:
         if not self._kl:
             raise ValueError("no positions were evaluated")

@@ -104,7 +104,9 @@ def run_eval(run: RunDir, settings: Eval, data: Path | None, out: Path | None = 
         reference = load_model(reference_ckpt)
         quantized = load_model(artifact_ckpt)
         stats = measure_kl(reference, quantized, windows)
-        result = {**stats.pop("all").summary(), "effective_bits": quantize["metrics"]["effective_bits"]}
+        overall = stats.pop("all")
+        result = {**overall.summary(), "effective_bits": quantize["metrics"]["effective_bits"]}
+        result["histogram"] = overall.histogram()
         result["data"] = str(data) if data else "builtin:eval"
         result["by_traffic"] = {traffic: s.summary() for traffic, s in stats.items()}
         atomic.write_json(stage.path("eval/kl.json"), result)

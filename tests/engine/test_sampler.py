@@ -156,8 +156,12 @@ def test_logprobs_are_raw_log_softmax() -> None:
     assert [lp for _, lp in out.top_logprobs[0]] == pytest.approx(vals.tolist(), abs=1e-6)
     assert out.top_logprobs[1] == []
     assert out.logprobs[2] is None and out.top_logprobs[2] is None
-    assert out.logprob_entry(1) == {"token": out.token_ids[1], "logprob": out.logprobs[1], "top": []}
-    assert out.logprob_entry(2) is None
+    entry = out.logprob_entry(1)
+    assert entry == {"token": out.token_ids[1], "logprob": out.logprobs[1], "top": [], "entropy": entry["entropy"]}
+    entropy = -(raw[1].exp() * raw[1]).sum().item()  # of the raw distribution, whatever the sampling settings
+    assert out.entropies[0] == pytest.approx(-(raw[0].exp() * raw[0]).sum().item(), rel=1e-5)
+    assert entry["entropy"] == pytest.approx(entropy, rel=1e-5) and entropy > 0
+    assert out.logprob_entry(2) is None and out.entropies[2] is None
 
 
 def test_stop_strings_spanning_tokens(tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from onboard.adapt.parity import compare_greedy
 from onboard.engine.config import EngineConfig
 from onboard.engine.grammar import GrammarSpec
 from onboard.engine.llm_engine import LLMEngine
@@ -70,13 +69,10 @@ def test_speculative_greedy_equals_plain_greedy(arch: str, k: int, dtype: torch.
     for batch in ([prompts[0]], [prompts[1]], [prompts[2]], prompts):  # alone, and batched with the others
         spec = engine.generate(batch, params)
         for a, b in zip(spec, [plain[prompts.index(p)] for p in batch], strict=True):
-            if dtype == torch.float32:
-                assert a.token_ids == b.token_ids
+            # Bit for bit in bf16 too: verification rows attend and multiply as decode rows do.
+            assert a.token_ids == b.token_ids
+            if dtype == torch.float32:  # bf16 logits tie often in a tiny model; topk and argmax break ties apart
                 assert [top[0] for top in top_ids(a)] == a.token_ids  # each token is the target's top-1
-            else:
-                # bf16: a K+1-row GEMM may round a few elements unlike a one-row GEMV, so tokens
-                # may part at a near-tie, never elsewhere.
-                assert compare_greedy(a.token_ids, b.token_ids, top_ids(a), top_ids(b)).near_tie
         assert_drained(engine)
     stats = engine.speculator.stats
     assert 0 <= stats.num_accepted_tokens <= stats.num_draft_tokens <= k * stats.num_drafts

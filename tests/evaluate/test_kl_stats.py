@@ -1,5 +1,6 @@
 """KLStats against hand-computed statistics, and logit_chunks against a full forward."""
 
+import itertools
 import math
 from pathlib import Path
 
@@ -220,3 +221,18 @@ def test_logit_chunks_match_the_full_forward(llama_and_ids, chunk: int) -> None:
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
     # float32 logits carry information bf16 ones would have rounded away.
     assert not torch.equal(logits, logits.bfloat16().float())
+
+
+def test_histogram_counts_every_position_in_log_bins() -> None:
+    ref, quant, targets = random_case()
+    stats = KLStats()
+    stats.update(ref, quant, targets)
+    kl = stats.kl_values()
+    hist = stats.histogram(bins_per_decade=4)
+    edges, counts = hist["edges"], hist["counts"]
+    assert len(edges) == len(counts) + 1 and sum(counts) == len(kl)
+    assert edges[0] == 0.0 and edges[-1] >= kl.max() and all(a < b for a, b in itertools.pairwise(edges))
+    assert edges[2] / edges[1] == pytest.approx(10**0.25)  # four bins a decade
+    for (low, high), count in zip(itertools.pairwise(edges), counts, strict=True):
+        inside = ((kl >= low) & (kl < high)) | ((kl == high) & (high == edges[-1]))
+        assert int(inside.sum()) == count

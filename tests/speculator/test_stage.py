@@ -46,8 +46,8 @@ def test_outputs_and_contract_keys(run_dir: Path) -> None:
     assert 1.0 <= metrics["acceptance_length"] <= k + 1
     positions = metrics["per_position_acceptance"]
     assert len(positions) == k and all(a >= b for a, b in itertools.pairwise(positions))
-    # The speculator is lossless in float32 tests; here (bf16 NVFP4) it must at least agree often.
-    assert 0.0 <= metrics["spec_greedy_exact_rate"] <= 1.0
+    # Greedy speculation gives plain decoding's tokens bit for bit, W4A4 in bf16 included.
+    assert metrics["spec_greedy_exact_rate"] == 1.0
     config = json.loads((run_dir / "artifact" / "speculator" / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
     assert config["draft_vocab_size"] == metrics["draft_vocab_size"] <= TINY.draft_vocab_size

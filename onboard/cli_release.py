@@ -1,0 +1,72 @@
+"""The release commands: `smoke`, `report` and `gate` (registered on the app by `cli.py`)."""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from onboard.cli_options import DataOpt, JunitOpt, existing_data
+from onboard.errors import OnboardError
+
+RunDirArg = Annotated[Path, typer.Argument(help="a run directory")]
+
+
+def _run_dir(path: Path) -> Path:
+    from onboard.workspace import MANIFEST
+
+    if not (path / MANIFEST).is_file():
+        raise OnboardError(f"{path} is not a run directory (no {MANIFEST}); run `onboard run` first")
+    return path
+
+
+def smoke(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory with a finished quantize stage")],
+    data: DataOpt = None,
+    num_prompts: Annotated[int | None, typer.Option(help="prompts (default: the recipe's)")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="tokens generated per prompt (default: the recipe's)")] = None,
+) -> None:
+    """Token loops, run-ons, mode and entropy collapse, garbage and batch invariance: the artifact
+    (with its speculator) against the unquantized reference on the same prompts."""
+    from onboard.recipes import with_overrides
+    from onboard.smoke.stage import run_smoke
+    from onboard.workspace import RunDir
+
+    run = RunDir(_run_dir(run_dir))
+    recipe = with_overrides(
+        run.recipe(),
+        {"--num-prompts": ("smoke.num_prompts", num_prompts), "--max-tokens": ("smoke.max_tokens", max_tokens)},
+    )
+    data = existing_data(data)
+    with run:
+        run.require("quantize")
+        run_smoke(run, recipe.smoke, data)
+
+
+def report(run_dir: RunDirArg) -> None:
+    """RUN_DIR/report.html: one self-contained page (verdict, KL, speculator, parity, smoke, timings)."""
+    from onboard.report import write_report
+    from onboard.workspace import console
+
+    console.print(f"report: {write_report(_run_dir(run_dir))}")
+
+
+def gate(
+    run_dir: RunDirArg,
+    junit: JunitOpt = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="override a threshold of the recipe's gate: NAME=VALUE")
+    ] = None,
+) -> None:
+    """Check the run against the recipe's release thresholds: RUN_DIR/gate.json (and JUnit XML);
+    exit 0 when every check passes, 1 when one fails, 2 when a stage it needs is missing."""
+    from onboard.gate import evaluate_gate, exit_code, gate_table, gate_with_overrides, write_gate
+    from onboard.workspace import RunDir, console
+
+    run = RunDir(_run_dir(run_dir))
+    thresholds = gate_with_overrides(run.recipe().gate, set_ or [])
+    result = evaluate_gate(run_dir, thresholds)
+    write_gate(run_dir, result, junit)
+    console.print(gate_table(result))
+    if result["missing"]:
+        console.print(f"missing stages: {', '.join(result['missing'])}")
+    raise typer.Exit(exit_code(result))

@@ -1,0 +1,201 @@
+"""`onboard gate`: the run's measurements against the recipe's release thresholds -> a verdict.
+
+Exit codes (what CI acts on): 0 every check passed, 1 a check failed, 2 a stage it needs is
+missing (or the input is bad). Every check lands in `gate.json` and, on request, in JUnit XML
+with one testcase each, so a CI dashboard shows which threshold a release missed.
+"""
+
+import json
+import math
+import operator
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import dataclass
+from operator import itemgetter
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from rich.table import Table
+
+from onboard import atomic
+from onboard.errors import OnboardError
+from onboard.recipes import Gate, describe
+from onboard.workspace import read_manifest
+
+PASSED, FAILED, INCOMPLETE = 0, 1, 2
+
+_STAGE_FILES = {
+    "eval": "eval/kl.json",
+    "speculator": "speculator/metrics.json",
+    "adapt": "adapt/parity.json",
+    "smoke": "smoke/smoke.json",
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    stage: str
+    threshold_key: str
+    compare: Callable[[Any, Any], bool]
+    value: Callable[[dict], Any]
+
+
+def _excess(key: str) -> Callable[[dict], float]:
+    return lambda m: m[key] - m[f"reference_{key}"]
+
+
+def _required(value: bool, required: bool) -> bool:
+    return value or not required
+
+
+CHECKS = (
+    Check("mean_kld", "eval", "max_mean_kld", operator.le, itemgetter("mean_kld")),
+    Check("top1_agreement", "eval", "min_top1_agreement", operator.ge, itemgetter("top1_agreement")),
+    Check("acceptance_length", "speculator", "min_acceptance_length", operator.ge, itemgetter("acceptance_length")),
+    Check("parity_logit_diff", "adapt", "max_parity_logit_diff", operator.le, itemgetter("max_abs_logit_diff")),
+    Check("parity_top1_agreement", "adapt", "min_parity_top1_agreement", operator.ge, itemgetter("top1_agreement")),
+    Check("loop_rate_excess", "smoke", "max_loop_rate_excess", operator.le, _excess("loop_rate")),
+    Check("run_on_excess", "smoke", "max_run_on_excess", operator.le, _excess("run_on_rate")),
+    Check("near_duplicate_excess", "smoke", "max_near_duplicate_excess", operator.le, _excess("near_duplicate_rate")),
+    Check("entropy_ratio", "smoke", "min_entropy_ratio", operator.ge, itemgetter("entropy_ratio")),
+    Check("garbage_excess", "smoke", "max_garbage_excess", operator.le, _excess("garbage_rate")),
+    Check("batch_invariant", "smoke", "require_batch_invariance", _required, itemgetter("batch_invariant")),
+)
+
+
+def gate_with_overrides(gate: Gate, settings: list[str]) -> Gate:
+    """`--set max_mean_kld=0.3`: each NAME=VALUE validated by the recipe schema."""
+    values = gate.model_dump()
+    for setting in settings:
+        name, sep, value = setting.partition("=")
+        if not sep or name not in values:
+            known = ", ".join(values)
+            raise OnboardError(f"--set {setting!r}: expected NAME=VALUE with NAME one of {known}")
+        values[name] = value
+    try:
+        return Gate.model_validate(values)
+    except ValidationError as err:
+        problem = err.errors()[0]
+        raise OnboardError(f"--set {problem['loc'][0]}={problem.get('input')!r}: {problem['msg']}") from err
+
+
+def _load_metrics(path: Path) -> dict:
+    try:
+        metrics = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise OnboardError(f"{path} is unreadable: {err}") from err
+    if not isinstance(metrics, dict):
+        raise OnboardError(f"{path} is not a JSON object")
+    return metrics
+
+
+def _stage_results(run_dir: Path) -> dict[str, dict | None]:
+    stages = read_manifest(run_dir)["stages"]
+    found: dict[str, dict | None] = {}
+    for stage, relative in _STAGE_FILES.items():
+        path = run_dir / relative
+        done = stages.get(stage, {}).get("status") == "done"
+        found[stage] = _load_metrics(path) if done and path.is_file() else None
+    return found
+
+
+def _value(check: Check, metrics: dict, path: Path) -> float | bool:
+    try:
+        value = check.value(metrics)
+    except KeyError as err:
+        raise OnboardError(f"{path} has no {err.args[0]!r}, which check {check.name} needs") from err
+    except TypeError as err:  # a string or null where a number belongs
+        raise OnboardError(f"{path}: check {check.name} needs numbers, found {err}") from err
+    required = check.threshold_key.startswith("require_")
+    if not (isinstance(value, bool) if required else _finite(value)):
+        raise OnboardError(f"{path}: check {check.name} needs a finite number, found {value!r}")
+    return value
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def evaluate_gate(run_dir: Path, gate: Gate | None = None) -> dict[str, Any]:
+    """Every check with its value, threshold and result; `gate` None: the run's recipe."""
+    run_dir = Path(run_dir)
+    if gate is None:
+        recorded = read_manifest(run_dir).get("recipe", {}).get("gate")
+        try:
+            gate = Gate.model_validate(recorded) if recorded else Gate()
+        except ValidationError as err:
+            raise OnboardError(f"{run_dir / 'manifest.json'}: the recorded gate is invalid: {describe(err)}") from err
+    results = _stage_results(run_dir)
+    thresholds = gate.model_dump()
+    checks = []
+    for check in CHECKS:
+        threshold = thresholds[check.threshold_key]
+        metrics = results[check.stage]
+        value = _value(check, metrics, run_dir / _STAGE_FILES[check.stage]) if metrics is not None else None
+        passed = value is not None and bool(check.compare(value, threshold))
+        checks.append(
+            {"name": check.name, "stage": check.stage, "value": value, "threshold": threshold, "passed": passed}
+        )
+    missing = [stage for stage, metrics in results.items() if metrics is None]
+    return {
+        "passed": not missing and all(c["passed"] for c in checks),
+        "complete": not missing,
+        "missing": missing,
+        "checks": checks,
+    }
+
+
+def exit_code(result: dict[str, Any]) -> int:
+    if not result["complete"]:
+        return INCOMPLETE
+    return PASSED if result["passed"] else FAILED
+
+
+def junit_xml(result: dict[str, Any]) -> str:
+    """One testcase per check; a missing stage is an error, a missed threshold a failure."""
+    checks = result["checks"]
+    suite = ET.Element(
+        "testsuite",
+        name="onboard.gate",
+        tests=str(len(checks)),
+        failures=str(sum(c["value"] is not None and not c["passed"] for c in checks)),
+        errors=str(sum(c["value"] is None for c in checks)),
+        skipped="0",
+        time="0",
+    )
+    for check in checks:
+        classname = f"onboard.gate.{check['stage']}"
+        case = ET.SubElement(suite, "testcase", classname=classname, name=check["name"], time="0")
+        if check["value"] is None:
+            ET.SubElement(case, "error", message=f"stage '{check['stage']}' has not run", type="missing")
+        elif not check["passed"]:
+            message = f"{check['name']} = {check['value']!r} misses threshold {check['threshold']!r}"
+            ET.SubElement(case, "failure", message=message, type="threshold")
+    root = ET.Element("testsuites")
+    root.append(suite)
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+
+def write_gate(run_dir: Path, result: dict[str, Any], junit: Path | None) -> None:
+    atomic.write_json(Path(run_dir) / "gate.json", result)
+    if junit is not None:
+        atomic.write_text(junit, junit_xml(result))
+
+
+def gate_table(result: dict[str, Any]) -> Table:
+    verdict = "PASS" if result["passed"] else ("INCOMPLETE" if not result["complete"] else "FAIL")
+    table = Table(title=f"gate: {verdict}", title_justify="left")
+    for column in ("check", "stage", "value", "threshold", "result"):
+        table.add_column(column, justify="left" if column in ("check", "stage") else "right")
+    for check in result["checks"]:
+        value = "missing" if check["value"] is None else _shown(check["value"])
+        mark = "[green]pass[/]" if check["passed"] else "[red]fail[/]"
+        table.add_row(check["name"], check["stage"], value, _shown(check["threshold"]), mark)
+    return table
+
+
+def _shown(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,108 @@
+"""`onboard run` and `onboard demo`: every stage in order, finished ones resumed, ending in a verdict."""
+
+from pathlib import Path
+
+from onboard.errors import OnboardError
+
+STAGES = ("quantize", "eval", "speculator", "adapt", "smoke", "report", "gate")
+
+# The quick profile keeps CI and a first look short; full uses the recipe's own numbers.
+DEMO_PROFILES: dict[str, dict[str, object]] = {
+    "quick": {
+        "quantize.calibration.num_samples": 16,
+        "eval.max_tokens": 4096,
+        "speculator.num_prompts": 24,
+        "speculator.max_new_tokens": 64,
+        "speculator.responses_per_prompt": 1,
+        "speculator.stdlib_files": 4,
+        "speculator.epochs": 2,
+        "speculator.eval_prompts": 6,
+        "speculator.eval_max_tokens": 32,
+        "smoke.num_prompts": 20,
+        "smoke.max_tokens": 128,
+        "smoke.invariance_prompts": 4,
+        "smoke.invariance_max_tokens": 48,
+        # Two epochs on ~1.5k tokens check that the stage works, not how good a draft gets: a draft
+        # that learned nothing (misaligned states, a broken export) stays at ~1.0.
+        "gate.min_acceptance_length": 1.05,
+    },
+    # Two responses per speculator prompt instead of the recipe's four, and 100 smoke prompts
+    # instead of 120, keep the whole demo within 45 minutes on 2 cores.
+    "full": {"speculator.responses_per_prompt": 2, "smoke.num_prompts": 100},
+}
+
+
+def profile_overrides(profile: str) -> dict[str, tuple[str, object]]:
+    if profile not in DEMO_PROFILES:
+        raise OnboardError(f"--profile {profile!r} is not one of {', '.join(DEMO_PROFILES)}")
+    return {f"--profile {profile} ({key})": (key, value) for key, value in DEMO_PROFILES[profile].items()}
+
+
+def run_pipeline(
+    model: Path,
+    out: Path,
+    stages: list[str],
+    recipe: Path | None,
+    overrides: dict[str, tuple[str, object]],
+    calib: Path | None = None,
+    data: Path | None = None,
+    allow_pickle: bool = False,
+    trust_remote_code: bool = False,
+    junit: Path | None = None,
+) -> int:
+    """Run `stages` of STAGES in order; the gate's exit code when it ran, else 0."""
+    from onboard.cli_options import existing_data, recipe_with_overrides
+    from onboard.models import resolve_model
+    from onboard.workspace import RunDir
+
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise OnboardError(f"unknown stage {unknown[0]!r}; stages are {', '.join(STAGES)}")
+    # Everything the user gave is checked before the run directory is touched.
+    checkpoint = resolve_model(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    resolved = recipe_with_overrides(checkpoint, recipe, overrides)
+    calib, data = existing_data(calib), existing_data(data)
+    with RunDir(out) as run:
+        run.record_recipe(resolved)
+        if "quantize" in stages:
+            from onboard.quantize.stage import run_quantize
+
+            run_quantize(run, checkpoint, resolved.quantize, calib)
+        if "eval" in stages:
+            from onboard.evaluate.stage import run_eval
+
+            run_eval(run, resolved.eval, data)
+        if "speculator" in stages:
+            from onboard.speculator.stage import run_speculator
+
+            run_speculator(run, resolved.speculator, None)
+        if "adapt" in stages:
+            from onboard.adapt.stage import run_adapt
+            from onboard.models import inspect_checkpoint
+
+            run.require("quantize")
+            run_adapt(run, inspect_checkpoint(run.artifact))
+        if "smoke" in stages:
+            from onboard.smoke.stage import run_smoke
+
+            run_smoke(run, resolved.smoke, data)
+        return finish(run.root, "report" in stages, "gate" in stages, junit)
+
+
+def finish(run_dir: Path, report: bool, gate: bool, junit: Path | None = None) -> int:
+    """The verdict first (so the report's card shows it), then the report; the gate's exit code."""
+    from onboard.gate import evaluate_gate, exit_code, gate_table, write_gate
+    from onboard.workspace import console
+
+    code = 0
+    if gate:
+        result = evaluate_gate(run_dir)
+        write_gate(run_dir, result, junit)
+        code = exit_code(result)
+    if report:
+        from onboard.report import write_report
+
+        console.print(f"report: {write_report(run_dir)}")
+    if gate:
+        console.print(gate_table(result))
+    return code

@@ -1,0 +1,63 @@
+"""The speculator card: acceptance per draft position and per traffic class, and the training curve."""
+
+from typing import Any
+
+from onboard.report import svg
+from onboard.report.fmt import pct
+from onboard.report.load import Run, as_dict, as_list, section
+
+
+def acceptance_chart(metrics: dict[str, Any], by_traffic: dict[str, dict[str, Any]]) -> Any:
+    overall = as_list(metrics.get("per_position_acceptance"))
+    series = [("all traffic", overall)]
+    series += [(name, as_list(t.get("per_position_acceptance"))) for name, t in by_traffic.items()]
+    series = [(name, values) for name, values in series if values]
+    if not series:
+        return None
+    positions = max(len(values) for _, values in series)
+    colored = [(name, values, svg.PALETTE[i % len(svg.PALETTE)]) for i, (name, values) in enumerate(series)]
+    return svg.grouped_bars(
+        [f"draft token {p + 1}" for p in range(positions)],
+        colored,
+        width=540,
+        fmt=pct,
+        max_value=1.0,
+        title="acceptance rate per draft position",
+    )
+
+
+def training_charts(train: dict[str, Any]) -> list[Any]:
+    history = [as_dict(h) for h in as_list(train.get("history"))]
+    if not history:
+        return []
+    epochs = [h.get("epoch", i + 1) for i, h in enumerate(history)]
+    charts = []
+    for key, label, color in (
+        ("loss", "training loss", svg.PALETTE[0]),
+        ("acceptance_estimate", "acceptance estimate", svg.PALETTE[1]),
+    ):
+        values = [h.get(key) for h in history]
+        if any(v is not None for v in values):
+            charts.append(
+                svg.line_chart(
+                    [(label, epochs, values, color)], width=540, height=170, x_label="epoch", y_label=label, title=label
+                )
+            )
+    return charts
+
+
+def build(run: Run) -> dict[str, Any]:
+    metrics = run.json("speculator/metrics.json")
+    train = run.json("speculator/train.json") or {}
+    data = metrics or {}
+    by_traffic = {str(k): as_dict(v) for k, v in sorted(as_dict(data.get("by_traffic")).items())}
+    return section(
+        run,
+        "speculator",
+        metrics,
+        metrics=data,
+        by_traffic=by_traffic,
+        acceptance_chart=acceptance_chart(data, by_traffic),
+        training_charts=training_charts(train),
+        settings=as_dict(train.get("settings")),
+    )

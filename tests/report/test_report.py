@@ -1,0 +1,172 @@
+"""`write_report`: one self-contained, escaped, deterministic HTML file that degrades per section."""
+
+import json
+import os
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from onboard.errors import OnboardError
+from onboard.report import write_report
+
+from .runs import FAILED_CHECKS, LOOP, build_run, write
+
+
+def section(html: str, section_id: str) -> str:
+    match = re.search(rf'<section[^>]*id="{section_id}"[^>]*>(.*?)</section>', html, re.DOTALL)
+    assert match, f"no section {section_id!r}"
+    return match.group(1)
+
+
+def test_writes_one_self_contained_file(full_run_dir: Path) -> None:
+    before = {p for p in full_run_dir.rglob("*")}
+    report = write_report(full_run_dir)
+    assert report == full_run_dir / "report.html"
+    assert {p for p in full_run_dir.rglob("*")} - before == {report}  # no temp file, no side files
+    html = report.read_text()
+    lowered = html.lower()
+    for forbidden in ("http://", "https://", 'src="//', "<link", "<script", "@import", "url("):
+        assert forbidden not in lowered, forbidden
+    assert html.startswith("<!doctype html>")
+    assert "<style>" in html
+
+
+def test_model_outputs_are_escaped(full_run_dir: Path) -> None:
+    html = write_report(full_run_dir).read_text()
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert "&lt;b&gt;bold&lt;/b&gt; &amp; more" in html
+    assert "<b>bold</b>" not in html
+    assert "<script" not in html.lower()
+    assert "&lt;i&gt;engine&lt;/i&gt;" in section(html, "parity")  # the diverging parity case
+    assert "Tell me about &lt;cats&gt; &amp; dogs" in html  # the prompt
+
+
+def test_loop_span_is_marked(full_run_dir: Path) -> None:
+    smoke = section(write_report(full_run_dir).read_text(), "smoke")
+    marks = re.findall(r"<mark[^>]*>(.*?)</mark>", smoke, re.DOTALL)
+    assert marks == [LOOP]  # only the artifact text of the loop case has a loop
+    before = smoke[: smoke.index("<mark")]
+    assert before.endswith("&lt;b&gt;bold&lt;/b&gt; &amp; more. ")  # the escaped text before the loop
+
+
+def test_detector_rates_shown_as_percentages(full_run_dir: Path) -> None:
+    smoke = section(write_report(full_run_dir).read_text(), "smoke")
+    row = re.search(r"<tr><td>token loops</td>(.*?)</tr>", smoke).group(1)
+    assert re.findall(r'<td class="n">([^<]*)</td>', row) == ["25.0%", "5.0%", "+20.0 pp"]
+    assert re.search(r"<tr><td>distinct-2</td><td class=\"n\">0.610</td>", smoke)  # not a rate
+
+
+def test_strings_in_charts_are_escaped(full_run_dir: Path) -> None:
+    metrics = json.loads((full_run_dir / "speculator/metrics.json").read_text())
+    metrics["by_traffic"]['<img src=x onerror="alert(1)">'] = metrics["by_traffic"].pop("chat")
+    write(full_run_dir, "speculator/metrics.json", metrics)
+    html = write_report(full_run_dir).read_text()
+    assert "<img" not in html
+    chart = re.search(r'<svg[^>]*aria-label="acceptance rate per draft position".*?</svg>', html, re.DOTALL)
+    assert chart and "&lt;img src=x onerror=" in chart.group(0)
+
+
+def test_partial_run_shows_not_run(partial_run_dir: Path) -> None:
+    html = write_report(partial_run_dir).read_text()
+    for section_id in ("eval", "speculator", "parity", "smoke", "bench"):
+        assert "not run" in section(html, section_id), section_id
+    assert "not run" not in section(html, "model")
+    assert "format per layer" in section(html, "formats")
+    verdict = section(html, "verdict")
+    assert re.search(r'class="big">\s*INCOMPLETE\s*<', verdict)  # the real gate, evaluated now
+    assert "smoke: not run" in verdict  # the loop-rate tile says why it is empty
+
+
+def test_a_gate_json_older_than_the_run_is_evaluated_again(tmp_path: Path) -> None:
+    run = build_run(tmp_path / "run", with_gate=True)
+    assert re.search(r'class="big">\s*PASS\s*<', write_report(run).read_text())
+    manifest = run / "manifest.json"
+    manifest.write_text(manifest.read_text())  # a stage finished after the gate ran
+    os.utime(run / "gate.json", (1, 1))
+    assert "evaluated at report time" in section(write_report(run).read_text(), "verdict")
+
+
+def test_failed_gate_lists_failed_checks(full_run_dir: Path) -> None:
+    verdict = section(write_report(full_run_dir).read_text(), "verdict")
+    head = verdict[: verdict.index('class="tiles"')]
+    assert re.search(r'class="big">\s*FAIL\s*<', head)
+    for name in FAILED_CHECKS:
+        assert f"<b>{name}</b>" in head
+    assert "<b>top1_agreement</b>" not in head  # passed checks are not listed as failures
+    assert f"{len(FAILED_CHECKS)} of 5 gate checks failed" in head
+
+
+def test_passed_and_incomplete_verdicts(tmp_path: Path) -> None:
+    passed = build_run(tmp_path / "pass", with_gate=True)
+    assert re.search(r'class="big">\s*PASS\s*<', write_report(passed).read_text())
+    gate = json.loads((passed / "gate.json").read_text())
+    write(passed, "gate.json", {**gate, "passed": False, "complete": False, "missing": ["smoke"]})
+    verdict = section(write_report(passed).read_text(), "verdict")
+    assert re.search(r'class="big">\s*INCOMPLETE\s*<', verdict)
+    assert "Stages not run: <b>smoke</b>" in verdict
+
+
+def test_gate_evaluated_when_no_gate_json(partial_run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def evaluate_gate(run_dir: Path) -> dict:
+        calls.append(run_dir)
+        check = {"name": "mean_kld", "stage": "eval", "value": None, "threshold": 0.3, "passed": False}
+        return {"passed": False, "complete": False, "missing": ["eval"], "checks": [check]}
+
+    monkeypatch.setitem(sys.modules, "onboard.gate", types.SimpleNamespace(evaluate_gate=evaluate_gate))
+    verdict = section(write_report(partial_run_dir).read_text(), "verdict")
+    assert calls == [partial_run_dir]
+    assert "INCOMPLETE" in verdict
+    assert "1 checks not measured yet: mean_kld" in verdict
+
+
+def test_gate_error_does_not_stop_the_report(partial_run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def evaluate_gate(run_dir: Path) -> dict:
+        raise OnboardError("recipe gate: max_mean_kld must be positive")
+
+    monkeypatch.setitem(sys.modules, "onboard.gate", types.SimpleNamespace(evaluate_gate=evaluate_gate))
+    verdict = section(write_report(partial_run_dir).read_text(), "verdict")
+    assert "NOT EVALUATED" in verdict
+    assert "gate not evaluated: recipe gate: max_mean_kld must be positive" in verdict
+
+
+def test_charts_are_inline_svg(full_run_dir: Path) -> None:
+    html = write_report(full_run_dir).read_text()
+    labels = set(re.findall(r'<svg class="chart"[^>]*aria-label="([^"]*)"', html))
+    expected = {"format per layer", "KL histogram", "acceptance rate per draft position", "training loss",
+                "acceptance estimate", "detector rates, artifact vs reference", "stage wall time",
+                "KL contribution per layer", "selection trace"}  # fmt: skip
+    assert expected <= labels
+    heat = re.search(r'aria-label="format per layer".*?</svg>', html, re.DOTALL).group(0)
+    assert heat.count("<rect") >= 4 * 7  # one cell per projection per decoder layer (+ legend)
+    assert "#f59e0b" in heat and "model.layers.0.mlp.down_proj: fp8" in heat  # fp8 cell, tooltip
+    hist = re.search(r'aria-label="KL histogram".*?</svg>', html, re.DOTALL).group(0)
+    assert hist.count("<rect") == 21  # every non-empty bin
+    assert "lm_head" in section(html, "formats")  # outside the decoder stack, listed apart
+
+
+def test_deterministic(full_run_dir: Path) -> None:
+    first = write_report(full_run_dir).read_bytes()
+    second = write_report(full_run_dir).read_bytes()
+    assert first == second
+
+
+def test_malformed_json_is_reported_not_fatal(full_run_dir: Path) -> None:
+    (full_run_dir / "eval/kl.json").write_text("{not json")
+    html = write_report(full_run_dir).read_text()
+    assert "eval/kl.json: unreadable" in html
+    assert "KL histogram" not in html
+
+
+def test_missing_run_dir_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(OnboardError, match="run directory not found"):
+        write_report(tmp_path / "nope")
+
+
+def test_smoke_throughput_comes_from_the_manifest(full_run_dir: Path) -> None:
+    html = write_report(full_run_dir).read_text()
+    assert "artifact_greedy_tokens_per_s" in html or "45.3" in html

@@ -1,0 +1,76 @@
+"""`onboard run`: every stage in order on a tiny model, the verdict as the exit code, resumed runs."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from onboard.pipeline import DEMO_PROFILES, STAGES, profile_overrides, run_pipeline
+from onboard.recipes import Recipe, with_overrides
+
+TINY = {
+    "quantize.scheme": "nvfp4a16",
+    "quantize.calibration.num_samples": 2,
+    "quantize.calibration.max_seq_length": 64,
+    "eval.max_tokens": 256,
+    "eval.window": 64,
+    "speculator.num_prompts": 4,
+    "speculator.max_new_tokens": 12,
+    "speculator.max_prompt_tokens": 48,
+    "speculator.responses_per_prompt": 1,
+    "speculator.stdlib_files": 0,
+    "speculator.draft_vocab_size": 96,
+    "speculator.epochs": 1,
+    "speculator.max_seq_len": 64,
+    "speculator.eval_prompts": 2,
+    "speculator.eval_max_tokens": 8,
+    "smoke.num_prompts": 4,
+    "smoke.max_tokens": 24,
+    "smoke.invariance_prompts": 2,
+    "smoke.invariance_max_tokens": 8,
+}
+
+
+def overrides(**extra: object) -> dict[str, tuple[str, object]]:
+    return {key: (key, value) for key, value in {**TINY, **extra}.items()}
+
+
+def test_every_stage_then_the_verdict_as_exit_code(tiny_llama: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    code = run_pipeline(tiny_llama, out, list(STAGES), None, overrides())
+    gate = json.loads((out / "gate.json").read_text())
+    assert gate["complete"] and code == (0 if gate["passed"] else 1)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [s for s in manifest["stages"] if manifest["stages"][s]["status"] == "done"] == [
+        "quantize",
+        "eval",
+        "speculator",
+        "adapt",
+        "smoke",
+    ]
+    report = (out / "report.html").read_text()
+    assert "PASS" in report if gate["passed"] else "FAIL" in report
+    # A threshold no run can meet turns the verdict, and the exit code, to a failure; every stage
+    # is resumed from the manifest rather than redone.
+    capsys.readouterr()
+    code = run_pipeline(tiny_llama, out, list(STAGES), None, overrides(**{"gate.max_mean_kld": 0.0}))
+    assert code == 1 and not json.loads((out / "gate.json").read_text())["passed"]
+    assert capsys.readouterr().err.count("cached, inputs unchanged") == 5
+
+
+def test_a_run_without_the_stages_the_gate_needs_is_incomplete(tiny_llama: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    code = run_pipeline(tiny_llama, out, ["quantize", "report", "gate"], None, overrides())
+    gate = json.loads((out / "gate.json").read_text())
+    assert code == 2 and gate["missing"] == ["eval", "speculator", "adapt", "smoke"]
+    assert "INCOMPLETE" in (out / "report.html").read_text()
+
+
+@pytest.mark.parametrize("profile", sorted(DEMO_PROFILES))
+def test_demo_profiles_are_valid_recipe_overrides(profile: str) -> None:
+    recipe = with_overrides(Recipe(), profile_overrides(profile))
+    for key, value in DEMO_PROFILES[profile].items():
+        node = recipe.model_dump()
+        for part in key.split("."):
+            node = node[part]
+        assert node == value, key
