@@ -25,6 +25,9 @@ DEMO_PROFILES: dict[str, dict[str, object]] = {
         # Two epochs on ~1.5k tokens check that the stage works, not how good a draft gets: a draft
         # that learned nothing (misaligned states, a broken export) stays at ~1.0.
         "gate.min_acceptance_length": 1.05,
+        # 40 outputs a side: one loop moves a rate by 2.5 pp and the excess carries about +-8 pp of
+        # noise; the full profile (200 outputs a side) gates at the recipe's 0.1.
+        "gate.max_loop_rate_excess": 0.2,
     },
     # Two responses per speculator prompt instead of the recipe's four, and 100 smoke prompts
     # instead of 120, keep the whole demo within 45 minutes on 2 cores.
