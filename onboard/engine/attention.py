@@ -28,8 +28,6 @@ import torch.nn.functional as F
 from onboard.engine.batch import ForwardBatch
 from onboard.engine.kv_cache import KVCache
 
-ROWWISE_MAX_QUERY = 8  # new tokens after a cached context at most, for row-by-row attention (CPU)
-
 
 @dataclass
 class _PrefillSeq:
@@ -75,10 +73,12 @@ class AttentionMetadata:
         start = 0
         for i, (q_len, ctx_len) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
             end = start + q_len
-            if q_len == 1 or (q_len <= ROWWISE_MAX_QUERY < ctx_len and device.type == "cpu"):
-                # A few new tokens after a cached context (speculative verification): each row
-                # attends exactly as a decode step at its position would, so that verifying a
-                # draft gives bit for bit the tokens plain decoding gives.
+            verifying = q_len > 1 and device.type == "cpu" and i < len(batch.decoding) and batch.decoding[i]
+            if q_len == 1 or verifying:
+                # Draft proposals to verify: each row attends exactly as a decode step at its
+                # position would, so that verification gives bit for bit plain decoding's tokens.
+                # (A prompt's continuation after a prefix-cache hit is not split so: its rows
+                # must stay those of a fresh prefill.)
                 for j in range(q_len):
                     decode_rows.append(start + j)
                     decode_ctx.append(ctx_len - q_len + j + 1)

@@ -1,6 +1,6 @@
 """One forward step's inputs over the paged KV cache, as the model runner builds them."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,9 @@ class ForwardBatch:
     block_tables: list[list[int]]  # [B][num blocks of the sequence]
     logits_indices: torch.Tensor  # [S] int64: rows of the [T, H] hidden states to turn into logits
     block_size: int
+    # Per sequence: its new tokens come after the whole prompt (a decode token plus draft
+    # proposals to verify), so they are attended row by row, as decode steps attend.
+    decoding: list[bool] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:

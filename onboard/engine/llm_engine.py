@@ -10,10 +10,11 @@ from onboard.engine.block_manager import BlockManager
 from onboard.engine.config import EngineConfig
 from onboard.engine.grammar import GrammarFactory, GrammarSpec, RequestGrammar
 from onboard.engine.model_runner import ModelRunner
-from onboard.engine.sampler import Sampler, SamplingParams, check_stop, stop_holdback
+from onboard.engine.sampler import Sampler, SamplingParams
 from onboard.engine.scheduler import ScheduledSeq, Scheduler
 from onboard.engine.sequence import Sequence, SequenceStatus
 from onboard.engine.spec_decode import Speculator
+from onboard.engine.stop import check_stop, stop_holdback
 from onboard.models import inspect_checkpoint, load_tokenizer
 
 

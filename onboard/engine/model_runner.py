@@ -38,7 +38,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_lens, context_lens, tables, logits_rows = [], [], [], []
+        query_lens, context_lens, tables, logits_rows, decoding = [], [], [], [], []
         for item in scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
@@ -50,6 +50,7 @@ class ModelRunner:
             query_lens.append(item.num_new_tokens)
             context_lens.append(end)
             tables.append(table)
+            decoding.append(start >= seq.num_prompt_tokens)
             if item.samples:
                 logits_rows.append(len(input_ids) - 1)
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
@@ -62,6 +63,7 @@ class ModelRunner:
             block_tables=tables,
             logits_indices=as_tensor(logits_rows),
             block_size=block_size,
+            decoding=decoding,
         )
 
     @torch.inference_mode()

@@ -1,19 +1,9 @@
-"""Sampler: greedy, seeded draws, filters, penalties, raw logprobs, stop checks, validation."""
-
-from pathlib import Path
+"""Sampler: greedy, seeded draws, filters, penalties, raw logprobs and entropy, validation."""
 
 import pytest
-import tiny_models
 import torch
 
-from onboard.engine.sampler import (
-    Sampler,
-    SamplingParams,
-    apply_filters,
-    apply_penalties,
-    check_stop,
-    stop_holdback,
-)
+from onboard.engine.sampler import Sampler, SamplingParams, apply_filters, apply_penalties
 
 V = 64
 
@@ -162,41 +152,6 @@ def test_logprobs_are_raw_log_softmax() -> None:
     assert out.entropies[0] == pytest.approx(-(raw[0].exp() * raw[0]).sum().item(), rel=1e-5)
     assert entry["entropy"] == pytest.approx(entropy, rel=1e-5) and entropy > 0
     assert out.logprob_entry(2) is None and out.entropies[2] is None
-
-
-def test_stop_strings_spanning_tokens(tmp_path: Path) -> None:
-    tokenizer = tiny_models.build_tokenizer(tmp_path)
-    ids = tokenizer.encode("The weather today is cloudy with a chance of rain.")
-    params = SamplingParams(stop=["zzz", "cloudy with"], max_tokens=100)
-    text, reason, cut, offset = "", None, None, 0
-    for n, token in enumerate(ids, start=1):
-        offset = len(text)
-        text = tokenizer.decode(ids[:n])  # incremental detokenization, as the engine does it
-        reason, cut = check_stop(text, offset, params, token, {tokenizer.eos_token_id}, n)
-        if reason:
-            break
-    assert reason == "stop"
-    assert text[:cut] == "The weather today is "
-    assert cut < offset  # the stop string began in text decoded on an earlier step
-    assert stop_holdback(params) == len("cloudy with") - 1
-    assert stop_holdback(SamplingParams()) == 0
-
-
-def test_check_stop_reasons() -> None:
-    p = SamplingParams(max_tokens=3, stop_token_ids=[9], stop=["END"])
-    eos = {2}
-    assert check_stop("ab", 1, p, 5, eos, 1) == (None, None)
-    assert check_stop("ab", 1, p, 2, eos, 1) == ("stop", None)
-    assert check_stop("ab", 1, SamplingParams(ignore_eos=True), 2, eos, 1) == (None, None)
-    assert check_stop("ab", 1, p, 9, eos, 1) == ("stop", None)
-    assert check_stop("abc", 2, p, 5, eos, 3) == ("length", None)
-    assert check_stop("xxEN", 3, p, 5, eos, 2) == (None, None)
-    assert check_stop("xxEND and more", 4, p, 5, eos, 3) == ("stop", 2)  # stop wins over length
-    # A stop string wholly inside older text was handled on an earlier step; only new text counts.
-    assert check_stop("END xx", 4, p, 5, eos, 2) == (None, None)
-    # The earliest of several matches is cut.
-    both = SamplingParams(stop=["b", "ab"])
-    assert check_stop("xab", 1, both, 5, eos, 1) == ("stop", 1)
 
 
 @pytest.mark.parametrize(
