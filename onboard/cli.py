@@ -9,6 +9,9 @@ import typer
 
 from onboard.cli_engine import adapt, bench, serve
 from onboard.cli_options import (
+    AlgorithmOpt,
+    BaseOpt,
+    BudgetOpt,
     CalibOpt,
     DataOpt,
     JunitOpt,
@@ -18,12 +21,15 @@ from onboard.cli_options import (
     RemoteOpt,
     SamplesOpt,
     SchemeOpt,
+    SearchTokOpt,
     SeqLenOpt,
+    StepsOpt,
     existing_data,
 )
+from onboard.cli_quant import bench_quant
 from onboard.cli_release import gate, report, smoke
 from onboard.errors import OnboardError
-from onboard.pipeline import STAGES, profile_overrides, run_pipeline
+from onboard.pipeline import DEMO_RECIPE, STAGES, profile_overrides, run_pipeline
 
 app = typer.Typer(
     help="Onboard a new open-weights model: quantize, evaluate, speculate, adapt, smoke-test, report, gate.",
@@ -39,6 +45,11 @@ def quantize(
     model: Annotated[Path, typer.Argument(help="a Hugging Face checkpoint directory or a .gguf file")],
     out: Annotated[Path, typer.Option(help="the run directory")],
     scheme: SchemeOpt = None,
+    bits_budget: BudgetOpt = None,
+    base: BaseOpt = None,
+    algorithm: AlgorithmOpt = None,
+    search_steps: StepsOpt = None,
+    search_tokens: SearchTokOpt = None,
     recipe: RecipeOpt = None,
     calib: CalibOpt = None,
     num_samples: SamplesOpt = None,
@@ -46,9 +57,15 @@ def quantize(
     allow_pickle: PickleOpt = False,
     trust_remote_code: RemoteOpt = False,
 ) -> None:
-    """Quantize MODEL with llmcompressor into RUN_DIR/artifact (compressed-tensors)."""
+    """Quantize MODEL with llmcompressor into RUN_DIR/artifact (compressed-tensors); `--scheme auto`
+    chooses each group's format under `--bits-budget` by measured end-to-end KL."""
     overrides = {
         "--scheme": ("quantize.scheme", scheme),
+        "--bits-budget": ("quantize.bits_budget", bits_budget),
+        "--base": ("quantize.base", base),
+        "--algorithm": ("quantize.algorithm", algorithm),
+        "--search-steps": ("quantize.search.steps", search_steps),
+        "--search-tokens": ("quantize.search.tokens", search_tokens),
         "--num-samples": ("quantize.calibration.num_samples", num_samples),
         "--max-seq-length": ("quantize.calibration.max_seq_length", max_seq_length),
     }
@@ -124,6 +141,7 @@ def run(
     recipe: RecipeOpt = None,
     stages: Annotated[str, typer.Option(help="comma-separated stages to run")] = ",".join(STAGES),
     scheme: SchemeOpt = None,
+    bits_budget: BudgetOpt = None,
     calib: CalibOpt = None,
     data: DataOpt = None,
     max_tokens: MaxTokOpt = None,
@@ -133,7 +151,11 @@ def run(
 ) -> None:
     """Every stage in order (quantize, eval, speculator, adapt, smoke, report, gate), resuming those
     already finished with the same inputs; exits with the gate's code (0 pass, 1 fail)."""
-    overrides = {"--scheme": ("quantize.scheme", scheme), "--max-tokens": ("eval.max_tokens", max_tokens)}
+    overrides = {
+        "--scheme": ("quantize.scheme", scheme),
+        "--bits-budget": ("quantize.bits_budget", bits_budget),
+        "--max-tokens": ("eval.max_tokens", max_tokens),
+    }
     chosen = [s.strip() for s in stages.split(",") if s.strip()]
     code = run_pipeline(model, out, chosen, recipe, overrides, calib, data, allow_pickle, trust_remote_code, junit)
     raise typer.Exit(code)
@@ -141,6 +163,7 @@ def run(
 
 for command in (adapt, bench, serve, smoke, report, gate):
     app.command()(command)
+app.command("bench-quant")(bench_quant)
 
 
 @app.command()
@@ -158,7 +181,10 @@ def demo(
     if fetch_only:
         print(checkpoint)
         return
-    raise typer.Exit(run_pipeline(checkpoint, out, list(STAGES), None, overrides, junit=junit))
+    from onboard.paths import RECIPES_DIR
+
+    recipe = RECIPES_DIR / DEMO_RECIPE
+    raise typer.Exit(run_pipeline(checkpoint, out, list(STAGES), recipe, overrides, junit=junit))
 
 
 def _quiet_libraries() -> None:

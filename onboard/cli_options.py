@@ -5,7 +5,14 @@ from typing import Annotated
 
 import typer
 
-SchemeOpt = Annotated[str | None, typer.Option(help="nvfp4 | nvfp4a16 | fp8 (default: the recipe's)")]
+SchemeOpt = Annotated[
+    str | None, typer.Option(help="nvfp4 | nvfp4a16 | fp8 | auto (per-group formats under --bits-budget)")
+]
+BudgetOpt = Annotated[float | None, typer.Option(help="auto: effective bits per quantizable weight, at most")]
+BaseOpt = Annotated[str | None, typer.Option(help="auto: nvfp4 (upgrades to FP8, BF16) | nvfp4a16 (FP8 W8A16, BF16)")]
+AlgorithmOpt = Annotated[str | None, typer.Option(help="rtn | gptq (llmcompressor's GPTQModifier)")]
+StepsOpt = Annotated[int | None, typer.Option(help="auto: candidate selections measured after the additive one")]
+SearchTokOpt = Annotated[int | None, typer.Option(help="auto: calibration tokens each candidate is scored on")]
 RecipeOpt = Annotated[Path | None, typer.Option(help="recipes/NAME.yaml (default: matched by architecture)")]
 PickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="load pickle (.bin) weights: can run code")]
 RemoteOpt = Annotated[bool, typer.Option("--trust-remote-code", help="run the checkpoint's own Python code")]

@@ -4,12 +4,14 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from onboard.errors import OnboardError
 from onboard.paths import RECIPES_DIR
 
-Scheme = Literal["nvfp4", "nvfp4a16", "fp8"]
+Scheme = Literal["nvfp4", "nvfp4a16", "fp8", "auto"]
+Base = Literal["nvfp4", "nvfp4a16"]  # the formats `auto` starts from
+Format = Literal["nvfp4", "nvfp4a16", "fp8", "fp8_weight", "bf16"]
 Traffic = Literal["chat", "code", "math", "summarization", "structured"]
 
 # Modules that stay in high precision whatever the scheme: the output projection, MoE
@@ -36,16 +38,41 @@ class Calibration(_Strict):
     traffic: list[Traffic] = ["chat", "code", "math", "summarization", "structured"]
 
 
+class Search(_Strict):
+    """The layer-selection search of `scheme: auto`: KL measured on calibration text."""
+
+    tokens: int = Field(2048, gt=1)  # calibration tokens every candidate is scored on
+    steps: int = Field(32, ge=0)  # measured candidates after the additive start
+
+
 class Quantize(_Strict):
     scheme: Scheme = "nvfp4"
+    base: Base = "nvfp4"  # `auto`: the format every group starts in, upgraded where the budget allows
+    bits_budget: float | None = Field(None, gt=0)  # `auto`: effective bits per quantizable weight
+    algorithm: Literal["rtn", "gptq"] = "rtn"  # gptq: llmcompressor's GPTQModifier
     targets: list[str] = ["Linear"]
     ignore: list[str] = NEVER_QUANTIZE
     calibration: Calibration = Calibration()
+    search: Search = Search()
+    # Pinned per-module formats over the scheme (module-name patterns, as `ignore`): how a
+    # selection found by `auto` is replayed without searching (selection.json's `pinned`).
+    formats: dict[Format, list[str]] = {}
+
+    @model_validator(mode="after")
+    def _auto_needs_budget(self) -> "Quantize":
+        if self.scheme == "auto" and self.bits_budget is None:
+            raise ValueError("scheme auto needs a bits budget (--bits-budget B)")
+        if self.scheme != "auto" and self.bits_budget is not None:
+            raise ValueError("a bits budget is only read by scheme auto")
+        if self.scheme == "auto" and self.formats:
+            raise ValueError("scheme auto searches the formats: pin them (formats) or search, not both")
+        return self
 
 
 class Eval(_Strict):
     max_tokens: int = Field(8192, gt=0)
     window: int = Field(512, gt=1)
+    per_layer_tokens: int = Field(2048, ge=0)  # held-out tokens of the per-layer KL (0: not measured)
     traffic: list[Traffic] = ["chat", "code", "math", "summarization", "structured"]
 
 
@@ -159,7 +186,9 @@ def with_overrides(recipe: Recipe, overrides: dict[str, tuple[str, object]]) -> 
     except ValidationError as err:
         flags = {dotted: flag for flag, (dotted, _) in overrides.items()}
         problem = err.errors()[0]
-        flag = flags.get(".".join(str(part) for part in problem["loc"]), "option")
+        flag = flags.get(".".join(str(part) for part in problem["loc"]))
+        if flag is None:  # a rule across keys (a model validator): its message says it all
+            raise OnboardError(problem["msg"].removeprefix("Value error, ")) from err
         raise OnboardError(f"{flag} {problem.get('input')!r}: {problem['msg']}") from err
 
 

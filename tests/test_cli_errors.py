@@ -307,6 +307,21 @@ def make_cases(i: Inputs) -> dict[str, Case]:
             ["'int4'", "--scheme"],
             runs / "unknown_scheme",
         ),
+        "auto_without_budget": Case(
+            quantize("auto_without_budget", i.model, "--scheme", "auto"),
+            ["scheme auto", "--bits-budget"],
+            runs / "auto_without_budget",
+        ),
+        "budget_without_auto": Case(
+            quantize("budget_without_auto", i.model, "--bits-budget", "5.5"),
+            ["bits budget", "auto"],
+            runs / "budget_without_auto",
+        ),
+        "bench_quant_bad_budgets": Case(
+            ["bench-quant", m, "--budgets", "4.5,x", "--out", str(runs / "bench-quant.json")],
+            ["--budgets", "4.5,x"],
+            runs / "bench-quant.json",
+        ),
         "unknown_option": Case(
             quantize("unknown_option", i.model, "--num-sample", "3"),
             ["--num-sample"],
@@ -391,6 +406,9 @@ CASES = [
     "run_max_tokens_0",
     "out_is_a_file",
     "unknown_scheme",
+    "auto_without_budget",
+    "budget_without_auto",
+    "bench_quant_bad_budgets",
     "unknown_option",
     "max_seq_length_1",
 ]

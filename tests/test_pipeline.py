@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from onboard.pipeline import DEMO_PROFILES, STAGES, profile_overrides, run_pipeline
-from onboard.recipes import Recipe, with_overrides
+from onboard.paths import RECIPES_DIR
+from onboard.pipeline import DEMO_PROFILES, DEMO_RECIPE, STAGES, profile_overrides, run_pipeline
+from onboard.recipes import load_recipe, with_overrides
 
 TINY = {
     "quantize.scheme": "nvfp4a16",
@@ -68,7 +69,8 @@ def test_a_run_without_the_stages_the_gate_needs_is_incomplete(tiny_llama: Path,
 
 @pytest.mark.parametrize("profile", sorted(DEMO_PROFILES))
 def test_demo_profiles_are_valid_recipe_overrides(profile: str) -> None:
-    recipe = with_overrides(Recipe(), profile_overrides(profile))
+    recipe = with_overrides(load_recipe(RECIPES_DIR / DEMO_RECIPE), profile_overrides(profile))
+    assert recipe.quantize.formats, "the demo replays the pinned SmolLM2 selection"
     for key, value in DEMO_PROFILES[profile].items():
         node = recipe.model_dump()
         for part in key.split("."):

@@ -39,6 +39,9 @@ def test_shipped_recipe_loads_and_documents_its_use(path: Path) -> None:
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_shipped_recipe_architectures_are_transformers_classes(path: Path) -> None:
     recipe = load_recipe(path)
+    if recipe.quantize.formats:  # a pinned selection belongs to one checkpoint: --recipe only
+        assert not recipe.architectures, f"{path.name} pins formats, so recipe_for must never pick it"
+        return
     assert recipe.architectures, f"{path.name} names no architecture, recipe_for can never pick it"
     for arch in recipe.architectures:
         assert hasattr(transformers, arch), f"{path.name}: transformers has no class {arch}"
@@ -60,6 +63,18 @@ def test_recipe_for_picks_each_shipped_recipe(path: Path) -> None:
         picked, picked_path = recipe_for([arch])
         assert picked_path == path
         assert picked == recipe
+
+
+def test_pinned_smollm2_recipe_keeps_fused_groups_whole() -> None:
+    """Every pattern pins q/k/v or gate/up together, never one of them: vLLM fuses them."""
+    recipe = load_recipe(RECIPES_DIR / "smollm2-mixed.yaml")
+    pinned = [p for patterns in recipe.quantize.formats.values() for p in patterns]
+    assert pinned
+    for layer in range(30):
+        for fused in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            parent = "self_attn" if fused[0] == "q_proj" else "mlp"
+            hits = {matches(f"model.layers.{layer}.{parent}.{name}", pinned) for name in fused}
+            assert len(hits) == 1, (layer, fused)
 
 
 def test_recipe_for_unknown_architecture_gives_defaults() -> None:

@@ -13,6 +13,7 @@ from onboard.data import builtin_records, load_records, pack_tokens, tokens_by_t
 from onboard.errors import OnboardError
 from onboard.evaluate.kl import KLStats
 from onboard.evaluate.logits import logit_chunks
+from onboard.evaluate.per_layer import batch_windows, layer_formats, per_layer_kl, per_layer_table
 from onboard.hashing import fingerprint
 from onboard.models import inspect_checkpoint, load_model, load_tokenizer
 from onboard.paths import CALIBRATION_DIR
@@ -109,6 +110,10 @@ def run_eval(run: RunDir, settings: Eval, data: Path | None, out: Path | None = 
         result["histogram"] = overall.histogram()
         result["data"] = str(data) if data else "builtin:eval"
         result["by_traffic"] = {traffic: s.summary() for traffic, s in stats.items()}
+        if settings.per_layer_tokens:
+            selection = json.loads((run.root / "quantize/selection.json").read_text())
+            ids = batch_windows(windows, settings.per_layer_tokens)
+            result["per_layer"] = per_layer_kl(reference, quantized, ids, layer_formats(selection["layers"]))
         atomic.write_json(stage.path("eval/kl.json"), result)
         return {k: result[k] for k in ("mean_kld", "top1_agreement", "num_tokens", "effective_bits")}
 
@@ -121,6 +126,8 @@ def run_eval(run: RunDir, settings: Eval, data: Path | None, out: Path | None = 
     entry = run.run_stage("eval", inputs, outputs=["eval"], body=body)
     result = json.loads((run.root / "eval/kl.json").read_text())
     console.print(kl_table(result, f"KL divergence of {quantize['metrics']['scheme']} against the reference"))
+    if result.get("per_layer"):
+        console.print(per_layer_table(result["per_layer"]))
     if out:
         atomic.write_json(out, result)
     return entry

@@ -10,9 +10,12 @@ from onboard import atomic
 from onboard.hashing import fingerprint
 from onboard.models import Checkpoint, load_model, load_tokenizer
 from onboard.paths import CALIBRATION_DIR
+from onboard.quantize import recipe
+from onboard.quantize.auto import Selection
 from onboard.quantize.bits import effective_bits, is_quantizable, layer_bits
 from onboard.quantize.calibration import calibration_dataset
-from onboard.quantize.schemes import SCHEMES
+from onboard.quantize.recipe import needs_calibration
+from onboard.quantize.schemes import LADDERS, SCHEMES
 from onboard.recipes import Quantize
 from onboard.workspace import RunDir, Stage, console
 
@@ -30,35 +33,33 @@ def quantize_inputs(checkpoint: Checkpoint, settings: Quantize, calib: Path | No
     }
 
 
-def _oneshot(model, tokenizer, settings: Quantize, calib: Path | None) -> int:
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-
-    scheme = SCHEMES[settings.scheme]
-    modifier = QuantizationModifier(targets=settings.targets, scheme=scheme.preset, ignore=settings.ignore)
-    if not scheme.calibrated:
-        oneshot(model=model, tokenizer=tokenizer, recipe=modifier)
-        return 0
-    dataset = calibration_dataset(tokenizer, settings.calibration, calib)
-    oneshot(
-        model=model,
-        tokenizer=tokenizer,
-        dataset=dataset,
-        recipe=modifier,
-        max_seq_length=settings.calibration.max_seq_length,
-        num_calibration_samples=len(dataset),
-        shuffle_calibration_samples=False,
-    )
-    return sum(len(ids) for ids in dataset["input_ids"])
-
-
 def run_quantize(run: RunDir, checkpoint: Checkpoint, settings: Quantize, calib: Path | None) -> dict[str, Any]:
     def body(stage: Stage) -> dict[str, Any]:
         torch.manual_seed(0)
         tokenizer = load_tokenizer(checkpoint)
         model = load_model(checkpoint)
-        console.print(f"quantizing {checkpoint.path.name} to {settings.scheme}: {SCHEMES[settings.scheme].summary}")
-        calib_tokens = _oneshot(model, tokenizer, settings, calib)
+        dataset = None
+        auto: dict[str, Any] = {}
+        scheme, pinned = settings.scheme, dict(settings.formats)
+        if settings.scheme == "auto":
+            dataset = calibration_dataset(tokenizer, settings.calibration, calib)
+            console.print(
+                f"selecting formats from {LADDERS[settings.base]} under {settings.bits_budget} bits per weight"
+            )
+            selection = Selection(model, tokenizer, settings, dataset, [settings.bits_budget])
+            _, auto = selection.select(settings.bits_budget, settings.search.steps)
+            scheme, pinned = settings.base, auto["pinned"]
+        console.print(f"quantizing {checkpoint.path.name} to {scheme}: {SCHEMES[scheme].summary}")
+        for fmt, patterns in sorted(pinned.items()):
+            console.print(f"  {len(patterns)} pinned to {fmt}: {SCHEMES[fmt].summary}")
+        if needs_calibration(settings, {scheme, *pinned}) and dataset is None:
+            dataset = calibration_dataset(tokenizer, settings.calibration, calib)
+        calibrated = dataset if needs_calibration(settings, {scheme, *pinned}) else None
+        recipe.apply(
+            model, tokenizer, recipe.modifier(settings, scheme, pinned), calibrated, settings.calibration.max_seq_length
+        )
+        if auto:  # the artifact scored on the search's tokens: equal to the search's best under RTN
+            auto["artifact_kld"] = selection.replay.mean_kl()[0]
 
         artifact = stage.path("artifact")
         model.save_pretrained(artifact, save_compressed=True)
@@ -66,23 +67,26 @@ def run_quantize(run: RunDir, checkpoint: Checkpoint, settings: Quantize, calib:
         # llmcompressor leaves the recipe it applied beside the weights; keep it, it is data.
         layers = layer_bits(artifact)
         bits = effective_bits(layers)
-        selection = {
+        selection_record = {
             "scheme": settings.scheme,
-            "algorithm": "rtn",
+            "algorithm": settings.algorithm,
             "effective_bits": bits,
             "effective_bits_all_weights": effective_bits(layers, only_quantizable=False),
             "ignore": settings.ignore,
             "layers": {k: {**v, "quantizable": is_quantizable(k)} for k, v in layers.items()},
+            "pinned": pinned,
             "search": [],
+            **auto,
         }
-        atomic.write_json(stage.path("quantize/selection.json"), selection)
+        atomic.write_json(stage.path("quantize/selection.json"), selection_record)
         return {
             "scheme": settings.scheme,
             "effective_bits": bits,
-            "calibration_tokens": calib_tokens,
+            "calibration_tokens": sum(len(ids) for ids in calibrated["input_ids"]) if calibrated else 0,
             "bytes_reference": _dir_bytes(checkpoint.path),
             "bytes_artifact": _dir_bytes(artifact),
             "quantized_layers": sum(1 for v in layers.values() if v["format"] not in ("bf16", "f16", "f32")),
+            **({"search_kld": auto["final"]["measured_kld"], "bits_budget": settings.bits_budget} if auto else {}),
         }
 
     os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "WARNING")

@@ -8,6 +8,7 @@ from onboard.report.load import Run, as_dict, as_list, section
 
 KL_STATS = ("mean_kld", "median_kld", "p90_kld", "p99_kld", "max_kld", "top1_agreement", "rms_delta_p")
 MAX_PARITY_CASES = 3
+TOP_LAYERS = 8  # as many as `onboard eval` prints
 
 
 def kl_histogram(kl: dict[str, Any]) -> Any:
@@ -18,6 +19,61 @@ def kl_histogram(kl: dict[str, Any]) -> Any:
     return svg.histogram(
         edges, counts, x_label="per-token KL divergence (nats)", marker=kl.get("mean_kld"), title="KL histogram"
     )
+
+
+def _layer_index(value: Any) -> int | None:
+    return int(value) if is_num(value) and value == int(value) and value >= 0 else None
+
+
+def format_counts(formats: Any) -> str:
+    """{"nvfp4": 3, "fp8": 4} -> "4 fp8, 3 nvfp4" (most modules first); a count that is not a
+    number leaves just the format's name."""
+    items = sorted(as_dict(formats).items(), key=lambda kv: (-kv[1] if is_num(kv[1]) else 0, str(kv[0])))
+    return ", ".join(f"{n:g} {f}" if is_num(n) else str(f) for f, n in items)
+
+
+def per_layer_view(per_layer: Any) -> dict[str, Any] | None:
+    """eval/kl.json's `per_layer`: a column per decoder layer of the KL with only that layer as in
+    the artifact, the running KL with layers 0..i as in the artifact, and the top layers alone."""
+    data = as_dict(per_layer)
+    rows = []
+    for entry in as_list(data.get("layers")):
+        entry = as_dict(entry)
+        index = _layer_index(entry.get("layer"))
+        if index is None:
+            continue
+        alone, running = entry.get("alone_kld"), entry.get("running_kld")
+        rows.append(
+            {
+                "layer": index,
+                "formats": format_counts(entry.get("formats")),
+                "alone_kld": alone if is_num(alone) else None,
+                "running_kld": running if is_num(running) else None,
+            }
+        )
+    if not rows:
+        return None
+    rows.sort(key=lambda r: r["layer"])
+    labels = [str(r["layer"]) for r in rows]
+    alone = [r["alone_kld"] for r in rows]
+    ranked = sorted((r for r in rows if r["alone_kld"] is not None), key=lambda r: (-r["alone_kld"], r["layer"]))
+    full = data.get("full_kld")
+    return {
+        "tokens": data.get("tokens") if is_num(data.get("tokens")) else None,
+        "full_kld": full if is_num(full) else None,
+        "alone_sum": sum(a for a in alone if a is not None) if ranked else None,
+        "layers": len(rows),
+        "alone_chart": svg.column_chart(
+            labels, alone, x_label="decoder layer", y_label="KLD, layer alone", title="KL per layer alone"
+        ),
+        "running_chart": svg.line_chart(
+            [("running KLD", [r["layer"] for r in rows], [r["running_kld"] for r in rows], svg.BLUE)],
+            x_label="decoder layer (layers 0..i as in the artifact)",
+            y_label="running KLD",
+            title="running KL over layers",
+        ),
+        "top": ranked[:TOP_LAYERS],
+    }
 
 
 def build_eval(run: Run) -> dict[str, Any]:
@@ -38,6 +94,7 @@ def build_eval(run: Run) -> dict[str, Any]:
         by_traffic=by_traffic,
         histogram=histogram,
         traffic_chart=traffic_chart,
+        per_layer=per_layer_view(data.get("per_layer")),
     )
 
 

@@ -1,4 +1,5 @@
-"""The model-facts and quantization cards: sizes, per-layer formats (heat map), the selection trace."""
+"""The model-facts and quantization cards: sizes, per-layer formats (heat map), and for
+`scheme: auto` the selection (budget, groups kept above the base format, sensitivities) and its search trace."""
 
 import re
 from collections import Counter
@@ -7,22 +8,11 @@ from typing import Any
 from onboard.report import svg
 from onboard.report.fmt import is_num, ratio
 from onboard.report.load import Run, as_dict, as_list, section
+from onboard.report.selection import auto_selection, format_colors, pinned_summary, search_trace
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
-FORMAT_COLORS = {"nvfp4": "#2563eb", "nvfp4a16": "#0d9488", "fp8": "#f59e0b", "bf16": "#94a3b8"}
-OTHER_COLORS = ("#a855f7", "#ec4899", "#84cc16", "#64748b")
 MIXED = "#ef4444"
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
-TOP_KLD_LAYERS = 20
-
-
-def format_colors(formats: list[str]) -> dict[str, str]:
-    """A fixed colour per known format; the rest get the spare colours in sorted order."""
-    colors = {f: FORMAT_COLORS[f] for f in formats if f in FORMAT_COLORS}
-    spare = iter(OTHER_COLORS * (1 + len(formats) // len(OTHER_COLORS)))
-    for f in sorted(set(formats) - set(colors)):
-        colors[f] = next(spare)
-    return colors
 
 
 def format_heat_map(layers: dict[str, Any]) -> dict[str, Any] | None:
@@ -85,32 +75,6 @@ def format_table(layers: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def layer_kld_chart(layer_kld: Any) -> Any:
-    items = [(str(k), v) for k, v in as_dict(layer_kld).items() if is_num(v)]
-    if not items:
-        return None
-    items.sort(key=lambda kv: (-kv[1], kv[0]))
-    top = items[:TOP_KLD_LAYERS]
-    return svg.bar_chart([k for k, _ in top], [v for _, v in top], width=540, title="KL contribution per layer")
-
-
-def search_trace(search: list[Any]) -> dict[str, Any] | None:
-    steps = [s for s in search if isinstance(s, dict)]
-    if not steps:
-        return None
-    keys: list[str] = []
-    for step in steps:
-        keys += [k for k in step if k not in keys]
-    chart = None
-    if "mean_kld" in keys and "effective_bits" in keys:
-        xs = [s.get("effective_bits") for s in steps]
-        ys = [s.get("mean_kld") for s in steps]
-        chart = svg.line_chart(
-            [("mean KLD", xs, ys, svg.BLUE)], x_label="effective bits", y_label="mean KLD", title="selection trace"
-        )
-    return {"keys": keys, "rows": [[s.get(k) for k in keys] for s in steps], "chart": chart}
-
-
 def build(run: Run) -> dict[str, Any]:
     selection = run.json("quantize/selection.json")
     config = run.json("artifact/config.json") or {}
@@ -135,6 +99,7 @@ def build(run: Run) -> dict[str, Any]:
         "quantized_layers": metrics.get("quantized_layers"),
         "calibration_tokens": metrics.get("calibration_tokens"),
         "ignore": [str(i) for i in as_list(sel.get("ignore"))],
+        "pinned": pinned_summary(sel.get("pinned")),
     }
     data = selection if selection is not None else (metrics or None)
     return section(
@@ -146,6 +111,6 @@ def build(run: Run) -> dict[str, Any]:
         has_selection=selection is not None,
         heat_map=format_heat_map(layers),
         formats=format_table(layers),
-        layer_kld=layer_kld_chart(sel.get("layer_kld")),
+        auto=auto_selection(sel),
         search=search_trace(as_list(sel.get("search"))),
     )

@@ -1,4 +1,4 @@
-"""Tiny hand-made SVG charts: horizontal bars, a histogram, a line chart and a heat map.
+"""Tiny hand-made SVG charts: horizontal bars, columns, a histogram, a line chart and a heat map.
 
 Every function returns `markupsafe.Markup` built only from numbers we format ourselves and from
 text passed through `escape`, so a label taken from a JSON file (a layer name, a traffic class)
@@ -118,6 +118,12 @@ def bar_chart(labels: Sequence[Any], values: Sequence[Any], *, color: str = BLUE
     return grouped_bars(labels, [("", values, color)], **kwargs)
 
 
+def _plot_left(ticks: list[float], y_label: str) -> float:
+    """The plot's left edge: 52 px, or more when long tick labels would run into the axis title."""
+    widest = max((len(num(t)) for t in ticks), default=0)
+    return max(52.0, (20 if y_label else 4) + widest * 6.0 + 6)
+
+
 def _y_axis(body: list[str], ticks: list[float], y_of: Callable[[float], float], left: float, right: float) -> None:
     for tick in ticks:
         y = y_of(tick)
@@ -190,7 +196,7 @@ def line_chart(
     """Lines with dots for (name, xs, ys, colour) series; non-numeric points are skipped."""
     points = [[(x, y) for x, y in zip(xs, ys, strict=False) if is_num(x) and is_num(y)] for _, xs, ys, _ in series]
     flat = [p for pts in points for p in pts]
-    left, right, top, bottom = 52, width - 12, 24, height - 36
+    right, top, bottom = width - 12, 24, height - 36
     body: list[str] = []
     if not flat:
         body.append(_text(width / 2, height / 2, "no data", anchor="middle"))
@@ -203,6 +209,7 @@ def line_chart(
         y_lo, y_hi = y_lo - abs(y_lo) * 0.1 - 1e-9, y_hi + abs(y_hi) * 0.1 + 1e-9
     y_ticks = nice_ticks(y_lo, y_hi, 5)
     y_lo, y_hi = min(y_ticks[0], y_lo), max(y_ticks[-1], y_hi)
+    left = _plot_left(y_ticks, y_label)
 
     def px(x: float) -> float:
         return left + (right - left) * (x - x_lo) / (x_hi - x_lo)
@@ -211,10 +218,11 @@ def line_chart(
         return bottom - (bottom - top) * (y - y_lo) / (y_hi - y_lo)
 
     _y_axis(body, y_ticks, py, left, right)
-    body.append(f'<line x1="{left}" y1="{_f(bottom)}" x2="{right}" y2="{_f(bottom)}" stroke="{AXIS}"/>')
+    body.append(f'<line x1="{_f(left)}" y1="{_f(bottom)}" x2="{right}" y2="{_f(bottom)}" stroke="{AXIS}"/>')
+    integer_x = all(isinstance(p[0], int) for p in flat)  # steps, layers, epochs: no "0.5" tick
     for tick in nice_ticks(x_lo, x_hi, 6):
-        if x_lo <= tick <= x_hi:
-            body.append(_text(px(tick), bottom + 14, num(tick), anchor="middle", size=10))
+        if x_lo <= tick <= x_hi and not (integer_x and tick != int(tick)):
+            body.append(_text(px(tick), bottom + 14, num(int(tick) if integer_x else tick), anchor="middle", size=10))
     for (name, _, _, color), pts in zip(series, points, strict=True):
         coords = " ".join(f"{_f(px(x))},{_f(py(y))}" for x, y in pts)
         body.append(f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="2"/>')
@@ -225,13 +233,17 @@ def line_chart(
             )
     if len(series) > 1:
         _legend(body, left, 3, [(name, color) for name, _, _, color in series])
-    body.append(_text((left + right) / 2, height - 6, x_label, anchor="middle", size=10))
+    _axis_labels(body, (left + right) / 2, height - 6, (top + bottom) / 2, x_label, y_label)
+    return _svg(width, height, body, title)
+
+
+def _axis_labels(body: list[str], x_mid: float, x_base: float, y_mid: float, x_label: str, y_label: str) -> None:
+    body.append(_text(x_mid, x_base, x_label, anchor="middle", size=10))
     if y_label:
         body.append(
-            f'<text transform="translate(12 {_f((top + bottom) / 2)}) rotate(-90)" text-anchor="middle" '
+            f'<text transform="translate(12 {_f(y_mid)}) rotate(-90)" text-anchor="middle" '
             f'font-size="10" fill="{INK}">{escape(y_label)}</text>'
         )
-    return _svg(width, height, body, title)
 
 
 def heat_map(
@@ -269,4 +281,58 @@ def heat_map(
                 f'height="{_f(max(cell_h - 1, 1))}" fill="{color}"><title>{escape(tip)}</title></rect>'
             )
     width = max(width, _legend(body, label_w, header_h + cell_h * len(row_labels) + 10, legend))
+    return _svg(width, height, body, title)
+
+
+def column_chart(
+    labels: Sequence[Any],
+    values: Sequence[Any],
+    *,
+    width: int = 520,
+    height: int = 200,
+    color: str = BLUE,
+    x_label: str = "",
+    y_label: str = "",
+    title: str = "column chart",
+) -> Markup:
+    """Vertical bars in the given order at a fixed width, so a deep model (80 layers) still fits:
+    the columns narrow and only every n-th label is written; every column keeps its own tooltip.
+    Missing values get no column."""
+    names = [str(label) for label in labels]
+    right, top, bottom = width - 12, 16, height - 36
+    body: list[str] = []
+    nums = [v for v in values if is_num(v)]
+    if not names or not nums:
+        body.append(_text(width / 2, height / 2, "no data", anchor="middle"))
+        return _svg(width, height, body, title)
+    y_lo, y_hi = min(0.0, *nums), max(0.0, *nums)
+    if y_hi == y_lo:
+        y_hi = y_lo + 1.0
+    ticks = nice_ticks(y_lo, y_hi, 5)
+    y_lo, y_hi = min(ticks[0], y_lo), max(ticks[-1], y_hi)
+    left = _plot_left(ticks, y_label)
+
+    def py(v: float) -> float:
+        return bottom - (bottom - top) * (v - y_lo) / (y_hi - y_lo)
+
+    _y_axis(body, ticks, py, left, right)
+    slot = (right - left) / len(names)
+    pad = min(slot * 0.15, 3.0)
+    zero = py(0.0)
+    widest = max(len(n) for n in names) * CHAR_W + 6
+    label_every = max(1, math.ceil(widest / slot))
+    for i, name in enumerate(names):
+        value = values[i] if i < len(values) else None
+        x = left + i * slot
+        if is_num(value):
+            y = py(value)
+            body.append(
+                f'<rect x="{_f(x + pad)}" y="{_f(min(y, zero))}" width="{_f(max(slot - 2 * pad, 0.5))}" '
+                f'height="{_f(max(abs(zero - y), 0.5))}" fill="{color}"><title>{escape(name)}: {escape(num(value))}'
+                f"</title></rect>"
+            )
+        if i % label_every == 0:
+            body.append(_text(x + slot / 2, bottom + 14, name, anchor="middle", size=10))
+    body.append(f'<line x1="{_f(left)}" y1="{_f(zero)}" x2="{right}" y2="{_f(zero)}" stroke="{AXIS}"/>')
+    _axis_labels(body, (left + right) / 2, height - 6, (top + bottom) / 2, x_label, y_label)
     return _svg(width, height, body, title)

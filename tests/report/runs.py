@@ -20,8 +20,10 @@ def write(run: Path, rel: str, data: dict[str, Any]) -> None:
 def manifest(run: Path, stages: tuple[str, ...]) -> dict[str, Any]:
     metrics = {
         "quantize": {
-            "scheme": "nvfp4",
-            "effective_bits": 4.5,
+            "scheme": "auto",
+            "effective_bits": 5.5,
+            "bits_budget": 5.5,
+            "search_kld": 0.19,
             "bytes_reference": 269_060_552,
             "bytes_artifact": 116_515_496,
             "quantized_layers": 26,
@@ -61,56 +63,170 @@ def manifest(run: Path, stages: tuple[str, ...]) -> dict[str, Any]:
     }
 
 
+# A SmolLM-sized 4-layer decoder: [out, in] weights per projection.
+SHAPES = {
+    "self_attn.q_proj": 576 * 576,
+    "self_attn.k_proj": 192 * 576,
+    "self_attn.v_proj": 192 * 576,
+    "self_attn.o_proj": 576 * 576,
+    "mlp.gate_proj": 1536 * 576,
+    "mlp.up_proj": 1536 * 576,
+    "mlp.down_proj": 576 * 1536,
+}
+# The `scheme: auto` selection over an nvfp4 base: what the additive start and the search kept higher.
+ADDITIVE = {"model.layers.0.mlp.down_proj": "fp8", "model.layers.3.self_attn.o_proj": "bf16"}
+UPGRADED = {"model.layers.0.self_attn.qkv": "fp8", **ADDITIVE}
+BITS = {"nvfp4": 4.5, "fp8": 8.03, "bf16": 16.0}
+GROUP_KINDS = {  # group kind: (projections, sensitivity in nvfp4 of layer 0)
+    "qkv": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), 0.021),
+    "o_proj": (("self_attn.o_proj",), 0.004),
+    "gate_up": (("mlp.gate_proj", "mlp.up_proj"), 0.012),
+    "down_proj": (("mlp.down_proj",), 0.035),
+}
+TOP_LAYER = 3  # the layer with the largest per-layer KL alone
+
+
+def group_name(layer: int, kind: str) -> str:
+    return f"model.layers.{layer}.{'self_attn' if kind in ('qkv', 'o_proj') else 'mlp'}.{kind}"
+
+
+def groups() -> list[dict[str, Any]]:
+    rows = []
+    for layer in range(4):
+        for kind, (projections, _) in GROUP_KINDS.items():
+            name = group_name(layer, kind)
+            rows.append(
+                {
+                    "name": name,
+                    "kind": kind,
+                    "layer": layer,
+                    "modules": [f"model.layers.{layer}.{p}" for p in projections],
+                    "weights": sum(SHAPES[p] for p in projections),
+                    "bits": BITS,
+                    "format": UPGRADED.get(name, "nvfp4"),
+                }
+            )
+    return rows
+
+
+def sensitivity() -> dict[str, Any]:
+    measured, fisher = {}, {}
+    for layer in range(4):
+        for kind, (_, base) in GROUP_KINDS.items():
+            name = group_name(layer, kind)
+            value = 0.09 if name == "model.layers.3.self_attn.o_proj" else round(base * (1 + 0.5 * layer), 6)
+            measured[name] = {"nvfp4": value, "fp8": round(value / 9, 6)}
+            fisher[name] = {"nvfp4": round(value * 0.8, 6), "fp8": round(value / 12, 6)}
+    fisher["model.layers.1.mlp.gate_up"]["fp8"] = None  # no estimate for one group
+    return {"measured": measured, "fisher": fisher, "rank_correlation": {"nvfp4": 0.83, "fp8": None}}
+
+
+def search() -> list[dict[str, Any]]:
+    return [
+        {
+            "step": 0,
+            "move": "additive start",
+            "effective_bits": 5.49,
+            "mean_kld": 0.2,
+            "best_kld": 0.2,
+            "accepted": True,
+        },
+        {
+            "step": 1,
+            "move": "model.layers.1.mlp.gate_up→fp8, model.layers.0.mlp.down_proj→nvfp4",
+            "effective_bits": 5.5,
+            "mean_kld": 0.215,
+            "best_kld": 0.2,
+            "accepted": False,
+            "predicted_change": 0.004,
+        },
+        {
+            "step": 2,
+            "move": "model.layers.0.self_attn.qkv→fp8",
+            "effective_bits": 5.5,
+            "mean_kld": 0.19,
+            "best_kld": 0.19,
+            "accepted": True,
+            "predicted_change": -0.01,
+        },
+        {
+            "step": 3,
+            "move": "model.layers.2.mlp.down_proj→fp8, model.layers.0.self_attn.qkv→nvfp4",
+            "effective_bits": 5.49,
+            "mean_kld": 0.197,
+            "best_kld": 0.19,
+            "accepted": False,
+            "predicted_change": 0.002,
+        },
+    ]
+
+
+def layer_format(layer: int, proj: str) -> str:
+    kind = next(kind for kind, (projections, _) in GROUP_KINDS.items() if proj in projections)
+    return UPGRADED.get(group_name(layer, kind), "nvfp4")
+
+
 def selection() -> dict[str, Any]:
     layers: dict[str, Any] = {
         "model.embed_tokens": {"format": "bf16", "bits": 16.0, "weights": 28_311_552, "quantizable": False}
     }
-    projections = (
-        "self_attn.q_proj",
-        "self_attn.k_proj",
-        "self_attn.v_proj",
-        "self_attn.o_proj",
-        "mlp.gate_proj",
-        "mlp.up_proj",
-        "mlp.down_proj",
-    )
     for index in range(4):
-        for proj in projections:
-            fmt = "fp8" if (index == 0 and proj.endswith("down_proj")) else "nvfp4"
-            fmt = "bf16" if (index == 3 and proj.endswith("o_proj")) else fmt
+        for proj, weights in SHAPES.items():
+            fmt = layer_format(index, proj)
             layers[f"model.layers.{index}.{proj}"] = {
                 "format": fmt,
-                "bits": 4.5,
-                "weights": 884_736,
+                "bits": BITS[fmt],
+                "weights": weights,
                 "quantizable": True,
             }
     layers["lm_head"] = {"format": "bf16", "bits": 16.0, "weights": 28_311_552, "quantizable": False}
     return {
-        "scheme": "nvfp4",
+        "scheme": "auto",
         "algorithm": "rtn",
-        "effective_bits": 4.61,
-        "effective_bits_all_weights": 6.9,
+        "effective_bits": 5.5,
+        "effective_bits_all_weights": 7.1,
         "ignore": ["lm_head"],
         "layers": layers,
-        "layer_kld": {f"model.layers.{i}.mlp.down_proj": 0.02 * (i + 1) for i in range(4)},
-        "search": [
-            {"step": 0, "layer": "(all nvfp4)", "format": "nvfp4", "effective_bits": 4.5, "mean_kld": 0.52},
-            {
-                "step": 1,
-                "layer": "model.layers.0.mlp.down_proj",
-                "format": "fp8",
-                "effective_bits": 4.56,
-                "mean_kld": 0.45,
-            },
-            {
-                "step": 2,
-                "layer": "model.layers.3.self_attn.o_proj",
-                "format": "bf16",
-                "effective_bits": 4.61,
-                "mean_kld": 0.41,
-            },
-        ],
+        "pinned": {
+            "fp8": [
+                "re:^model\\.layers\\.0\\.self_attn\\.(q_proj|k_proj|v_proj)$",
+                "re:^model\\.layers\\.0\\.mlp\\.down_proj$",
+            ],
+            "bf16": ["re:^model\\.layers\\.3\\.self_attn\\.o_proj$"],
+        },
+        "base": "nvfp4",
+        "formats": ["nvfp4", "fp8", "bf16"],
+        "bits_budget": 5.5,
+        "search_tokens": 2048,
+        "search_steps": 32,
+        "groups": groups(),
+        "sensitivity": sensitivity(),
+        "additive": {"upgraded": ADDITIVE, "predicted_kld": 0.18, "measured_kld": 0.2, "effective_bits": 5.49},
+        "final": {"upgraded": UPGRADED, "predicted_kld": 0.17, "measured_kld": 0.19, "effective_bits": 5.5},
+        "search": search(),
+        "artifact_kld": 0.191,
+        "seconds": {"sources": 40.1, "sensitivity": 120.5, "fisher": 8.2, "search": 64.0},
     }
+
+
+def per_layer() -> dict[str, Any]:
+    alone = [0.031, 0.12, 0.09, 0.15]
+    running = [0.031, 0.16, 0.26, 0.41]
+    rows = []
+    for layer in range(4):
+        formats: dict[str, int] = {}
+        for proj in SHAPES:
+            fmt = layer_format(layer, proj)
+            formats[fmt] = formats.get(fmt, 0) + 1
+        rows.append(
+            {
+                "layer": layer,
+                "formats": dict(sorted(formats.items())),
+                "alone_kld": alone[layer],
+                "running_kld": running[layer],
+            }
+        )
+    return {"tokens": 2048, "full_kld": 0.41, "layers": rows}
 
 
 def kl_stats(scale: float) -> dict[str, Any]:
@@ -137,6 +253,7 @@ def kl() -> dict[str, Any]:
         "effective_bits": 4.61,
         "by_traffic": {"chat": kl_stats(1.05), "code": kl_stats(1.1), "math": kl_stats(0.9)},
         "histogram": {"edges": edges, "counts": counts},
+        "per_layer": per_layer(),
     }
 
 

@@ -1,0 +1,53 @@
+"""`onboard bench-quant`: selection methods side by side on held-out text."""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from onboard.cli_options import CalibOpt, DataOpt, PickleOpt, RecipeOpt, RemoteOpt, SearchTokOpt, StepsOpt
+from onboard.errors import OnboardError
+
+
+def _budgets(text: str) -> list[float]:
+    try:
+        budgets = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise OnboardError(f"--budgets {text!r}: not a comma-separated list of numbers") from err
+    if not budgets or any(not 0 < b <= 16 for b in budgets):
+        raise OnboardError(f"--budgets {text!r}: give bits per weight between 0 and 16, e.g. 4.5,5.5")
+    return sorted(set(budgets))
+
+
+def bench_quant(
+    model: Annotated[Path, typer.Argument(help="a Hugging Face checkpoint directory or a .gguf file")],
+    budgets: Annotated[
+        str, typer.Option(help="bits budgets of the additive and searched selections")
+    ] = "4.5,5.0,5.5,6.0",
+    out: Annotated[Path, typer.Option(help="the JSON file of rows")] = Path("bench-quant.json"),
+    data: DataOpt = None,
+    calib: CalibOpt = None,
+    recipe: RecipeOpt = None,
+    search_steps: StepsOpt = None,
+    search_tokens: SearchTokOpt = None,
+    allow_pickle: PickleOpt = False,
+    trust_remote_code: RemoteOpt = False,
+) -> None:
+    """Uniform NVFP4 (llmcompressor's preset), NVFP4 + GPTQ, fixed rules (attention FP8, down_proj
+    FP8, end layers BF16), and the additive and searched selections at each budget: held-out mean
+    KLD, same-top-token rate and effective bits of each, measured in one run."""
+    from onboard.cli_options import existing_data, recipe_with_overrides
+    from onboard.models import resolve_model
+    from onboard.quantize.bench import run_bench_quant
+
+    chosen = _budgets(budgets)
+    checkpoint = resolve_model(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    settings = recipe_with_overrides(
+        checkpoint,
+        recipe,
+        {
+            "--search-steps": ("quantize.search.steps", search_steps),
+            "--search-tokens": ("quantize.search.tokens", search_tokens),
+        },
+    )
+    run_bench_quant(checkpoint, settings, chosen, existing_data(calib), existing_data(data), out)

@@ -1,0 +1,126 @@
+"""Run a decoder from any layer on, from that layer's recorded input, and score the logits.
+
+Candidate selections differ from each other in a few layers; every layer before the first
+changed one computes exactly what it computed last time. Replaying its recorded output
+instead of recomputing it makes each measured candidate cost only the layers from the first
+change on. No library exposes "run layers i..L of a transformers model", so this swaps the
+early layers of the decoder's own ModuleList for stand-ins that return the recorded tensor
+while the model's forward (masks, rotary embeddings, norms) runs unchanged; a self-check at
+construction proves the replay equals the plain forward for the architecture at hand.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from onboard.errors import OnboardError
+
+CHUNK = 256  # positions per float32 logit block
+
+
+class _Recorded(nn.Module):
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return self.hidden
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise OnboardError(f"{type(model).__name__}: no decoder layer list to measure layer by layer")
+    return layers
+
+
+class LayerReplay:
+    """A model, token windows [n, T], and the reference's next-token distribution on them."""
+
+    def __init__(self, model: nn.Module, input_ids: torch.Tensor) -> None:
+        self.model = model
+        self.input_ids = input_ids
+        self.layers = decoder_layers(model)
+        self.reference_inputs, hidden = self.run(0)
+        with torch.inference_mode():
+            logp = torch.cat([torch.log_softmax(chunk, dim=-1) for chunk in self._logit_chunks(hidden)])
+            self.reference_p = logp.exp()
+            self.reference_plogp = (self.reference_p * logp).sum(-1).double()  # Σ p log p per position
+        middle = len(self.layers) // 2
+        _, replayed = self.run(middle, self.reference_inputs[middle])
+        if not torch.equal(replayed, hidden):
+            raise OnboardError(f"{type(model).__name__}: replaying recorded layer inputs does not reproduce the model")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @contextmanager
+    def _replaying(self, start: int, hidden: torch.Tensor | None) -> Iterator[None]:
+        saved = [self.layers[i] for i in range(start)]
+        for i in range(start):
+            self.layers[i] = _Recorded(hidden)
+        try:
+            yield
+        finally:
+            for i, layer in enumerate(saved):
+                self.layers[i] = layer
+
+    @torch.inference_mode()
+    def run(self, start: int = 0, hidden: torch.Tensor | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Layers `start`.. from `hidden` (the recorded input of layer `start`); returns the inputs
+        of layers start.. (earlier entries None) and the final hidden states [n * T, d]."""
+        inputs: list[torch.Tensor | None] = [None] * len(self.layers)
+
+        def record(index: int):
+            def hook(module, args, kwargs):
+                inputs[index] = args[0] if args else kwargs["hidden_states"]
+
+            return hook
+
+        handles = [
+            self.layers[i].register_forward_pre_hook(record(i), with_kwargs=True)
+            for i in range(start, len(self.layers))
+        ]
+        try:
+            with self._replaying(start, hidden):
+                last = self.model.base_model(input_ids=self.input_ids).last_hidden_state
+        finally:
+            for handle in handles:
+                handle.remove()
+        return inputs, last.reshape(-1, last.shape[-1])
+
+    def _logit_chunks(self, hidden: torch.Tensor) -> Iterator[torch.Tensor]:
+        """float32 logits, CHUNK positions at a time (bf16 logits are too coarse for small KLs)."""
+        head = self.model.get_output_embeddings()
+        weight = head.weight.float()
+        bias = head.bias.float() if getattr(head, "bias", None) is not None else None
+        softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        for start in range(0, hidden.shape[0], CHUNK):
+            logits = hidden[start : start + CHUNK].float() @ weight.T
+            if bias is not None:
+                logits = logits + bias
+            yield torch.tanh(logits / softcap) * softcap if softcap else logits
+
+    @torch.inference_mode()
+    def kl(self, hidden: torch.Tensor) -> torch.Tensor:
+        """KL(reference || candidate) per position, float64, from the candidate's final hidden
+        states: Σ p log p - Σ p z + logsumexp z, with no [positions x vocab] log-softmax built."""
+        out = []
+        for index, logits in enumerate(self._logit_chunks(hidden)):
+            rows = slice(index * CHUNK, index * CHUNK + len(logits))
+            cross = (self.reference_p[rows] * logits).sum(-1).double()
+            kl = self.reference_plogp[rows] - cross + torch.logsumexp(logits, dim=-1).double()
+            out.append(kl.clamp_min(0.0))
+        return torch.cat(out)
+
+    def kl_from(self, start: int = 0, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Per-position KL of the model as it now is, run from layer `start`, and the layer inputs."""
+        inputs, last = self.run(start, hidden)
+        return self.kl(last), inputs
+
+    def mean_kl(self, start: int = 0, hidden: torch.Tensor | None = None) -> tuple[float, list[torch.Tensor]]:
+        values, inputs = self.kl_from(start, hidden)
+        return float(values.mean()), inputs

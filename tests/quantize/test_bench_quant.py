@@ -1,0 +1,75 @@
+"""`onboard bench-quant` on the tiny llama: every method, every budget, one held-out split."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from onboard.models import inspect_checkpoint
+from onboard.quantize.bench import METHODS, run_bench_quant
+from onboard.quantize.groups import fits
+from onboard.recipes import Calibration, Eval, Quantize, Recipe, Search
+
+RECIPE = Recipe(
+    quantize=Quantize(calibration=Calibration(num_samples=4, max_seq_length=64), search=Search(tokens=128, steps=3)),
+    eval=Eval(max_tokens=512, window=64, per_layer_tokens=0),
+)
+BUDGETS = [5.0, 6.0]
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> dict:
+    out = tmp_path_factory.mktemp("bench") / "bench-quant.json"
+    run_bench_quant(inspect_checkpoint(tiny_llama), RECIPE, BUDGETS, None, None, out)
+    return json.loads(out.read_text())
+
+
+def test_every_method_has_a_row(bench: dict) -> None:
+    methods = [row["method"] for row in bench["rows"]]
+    assert set(methods) == set(METHODS)
+    assert methods.count("additive") == methods.count("search") == len(BUDGETS)
+    for row in bench["rows"]:
+        assert set(row) >= {"method", "budget", "effective_bits", "mean_kld", "top1_agreement", "seconds"}
+        assert row["mean_kld"] >= 0 and 0 <= row["top1_agreement"] <= 1
+
+
+def test_budgets_are_respected_and_fixed_rows_carry_their_own_bits(bench: dict) -> None:
+    for row in bench["rows"]:
+        if row["method"] in ("additive", "search"):
+            assert row["budget"] in BUDGETS
+            assert fits(row["effective_bits"], row["budget"])
+        else:
+            assert row["budget"] == pytest.approx(row["effective_bits"], abs=1e-4)
+    uniform = next(r for r in bench["rows"] if r["method"] == "uniform_nvfp4")
+    ends = next(r for r in bench["rows"] if r["method"] == "heuristic_ends_bf16")
+    assert ends["effective_bits"] == 16.0 and ends["mean_kld"] < 1e-6  # 2 layers: both ends are all
+    assert uniform["mean_kld"] > 0
+
+
+def test_search_is_no_worse_than_additive_on_calibration_text(bench: dict) -> None:
+    for budget in BUDGETS:
+        additive, search = (
+            next(r for r in bench["rows"] if r["method"] == m and r["budget"] == budget) for m in ("additive", "search")
+        )
+        assert search["calibration_kld"] <= additive["calibration_kld"]
+
+
+def test_calibration_and_heldout_text_are_apart(bench: dict) -> None:
+    assert bench["data"] == "builtin:eval" and bench["calibration"] == "builtin:calib"
+    assert bench["heldout_tokens"] > 0
+
+
+def test_heuristics_follow_their_rules() -> None:
+    from onboard.quantize.bench import heuristics
+    from onboard.quantize.groups import Group
+
+    kinds = ("qkv", "o_proj", "gate_up", "down_proj")
+    groups = [
+        Group(f"l{i}.{k}", k, i, (f"l{i}.{k}",), (f"l{i}.{k}",), ((16, 16),), "") for i in range(6) for k in kinds
+    ]
+    rules = heuristics(groups, "nvfp4")
+    attn, down, ends = rules["heuristic_attn_fp8"], rules["heuristic_down_fp8"], rules["heuristic_ends_bf16"]
+    for g in groups:
+        assert attn[g.name] == ("fp8" if g.kind in ("qkv", "o_proj") else "nvfp4")
+        assert down[g.name] == ("fp8" if g.kind == "down_proj" else "nvfp4")
+        assert ends[g.name] == ("bf16" if g.layer in (0, 1, 4, 5) else "nvfp4")
