@@ -6,14 +6,12 @@ import torch
 from transformers import PreTrainedModel
 
 
-@torch.inference_mode()
-def logit_chunks(model: PreTrainedModel, input_ids: torch.Tensor, chunk: int) -> Iterator[torch.Tensor]:
-    """Yield float32 logits [<=chunk, vocab] for the positions of a single sequence [1, T].
+def head_chunks(model: PreTrainedModel, hidden: torch.Tensor, chunk: int) -> Iterator[torch.Tensor]:
+    """float32 logits [<=chunk, vocab] from final hidden states [positions, d], a chunk at a time.
 
-    The decoder runs once in its own dtype; the output projection is applied in float32 per
-    chunk, because bf16 logits carry rounding noise of the same order as small KLs.
+    The output projection runs in float32, because bf16 logits carry rounding noise of the same
+    order as small KLs.
     """
-    hidden = model.base_model(input_ids=input_ids).last_hidden_state[0]
     head = model.get_output_embeddings()
     weight = head.weight.float()
     bias = head.bias.float() if getattr(head, "bias", None) is not None else None
@@ -27,3 +25,10 @@ def logit_chunks(model: PreTrainedModel, input_ids: torch.Tensor, chunk: int) ->
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         yield logits
+
+
+@torch.inference_mode()
+def logit_chunks(model: PreTrainedModel, input_ids: torch.Tensor, chunk: int) -> Iterator[torch.Tensor]:
+    """float32 logits [<=chunk, vocab] for the positions of a single sequence [1, T]; the decoder
+    runs once in its own dtype."""
+    yield from head_chunks(model, model.base_model(input_ids=input_ids).last_hidden_state[0], chunk)

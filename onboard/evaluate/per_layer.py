@@ -1,17 +1,15 @@
 """Where the KL comes from: per decoder layer, the KL when that layer alone is as in the artifact,
 and the running KL when every layer up to it is."""
 
-import re
 from collections import Counter
 from typing import Any
 
 import torch
 from rich.progress import Progress
 
+from onboard.quantize.groups import LAYER
 from onboard.quantize.replay import LayerReplay, decoder_layers
 from onboard.workspace import console
-
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
 def batch_windows(windows: list[tuple[str, list[int]]], tokens: int) -> torch.Tensor:
@@ -30,7 +28,7 @@ def layer_formats(layers: dict[str, dict]) -> dict[int, dict[str, int]]:
     """{layer index: {format: modules}} from selection.json's `layers`."""
     counts: dict[int, Counter] = {}
     for name, entry in layers.items():
-        match = _LAYER.search(name)
+        match = LAYER.search(name)
         if match:
             counts.setdefault(int(match.group(1)), Counter())[entry["format"]] += 1
     return {i: dict(sorted(c.items())) for i, c in counts.items()}

@@ -12,7 +12,7 @@ import torch
 
 from onboard.quantize.schemes import SCHEMES
 
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
+LAYER = re.compile(r"\.layers\.(\d+)\.")
 _FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 _EXPERTS = re.compile(r"^(.*\.experts)\.\d+\.")
 
@@ -72,7 +72,7 @@ def decision_groups(quantized: torch.nn.Module) -> list[Group]:
         entry["shapes"].append((module.out_features, module.in_features))
     groups = []
     for name, entry in found.items():
-        layer = _LAYER.search(name + ".")
+        layer = LAYER.search(name + ".")
         groups.append(
             Group(
                 name=name,

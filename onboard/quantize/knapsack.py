@@ -36,7 +36,7 @@ def additive_selection(
     slack = check_budget(groups, base, budget)
     unit = max(slack / RESOLUTION, 1.0)
     units = int(slack // unit)
-    values = [[0.0 if f == "bf16" else sensitivity[g.name][f] for f in ladder] for g in groups]
+    values = [[group_kl(sensitivity, g.name, f) for f in ladder] for g in groups]
     costs = [[math.ceil((g.bits(f) - g.bits(base)) / unit) for f in ladder] for g in groups]
     best = np.zeros(units + 1)  # least summed KL within c units of extra cost, groups so far
     choices = np.zeros((len(groups), units + 1), dtype=np.int8)
@@ -57,5 +57,10 @@ def additive_selection(
     return chosen
 
 
+def group_kl(sensitivity: dict[str, dict[str, float]], group: str, fmt: str) -> float:
+    """The measured KL of `group` alone in `fmt` (BF16, the reference itself: none)."""
+    return 0.0 if fmt == "bf16" else sensitivity[group][fmt]
+
+
 def predicted_kl(sensitivity: dict[str, dict[str, float]], assignment: dict[str, str]) -> float:
-    return sum(0.0 if f == "bf16" else sensitivity[g][f] for g, f in assignment.items())
+    return sum(group_kl(sensitivity, g, f) for g, f in assignment.items())

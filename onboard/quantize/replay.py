@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from onboard.errors import OnboardError
+from onboard.evaluate.logits import head_chunks
 
 CHUNK = 256  # positions per float32 logit block
 
@@ -45,7 +46,7 @@ class LayerReplay:
         self.layers = decoder_layers(model)
         self.reference_inputs, hidden = self.run(0)
         with torch.inference_mode():
-            logp = torch.cat([torch.log_softmax(chunk, dim=-1) for chunk in self._logit_chunks(hidden)])
+            logp = torch.cat([torch.log_softmax(chunk, dim=-1) for chunk in head_chunks(self.model, hidden, CHUNK)])
             self.reference_p = logp.exp()
             self.reference_plogp = (self.reference_p * logp).sum(-1).double()  # Σ p log p per position
         middle = len(self.layers) // 2
@@ -92,24 +93,12 @@ class LayerReplay:
                 handle.remove()
         return inputs, last.reshape(-1, last.shape[-1])
 
-    def _logit_chunks(self, hidden: torch.Tensor) -> Iterator[torch.Tensor]:
-        """float32 logits, CHUNK positions at a time (bf16 logits are too coarse for small KLs)."""
-        head = self.model.get_output_embeddings()
-        weight = head.weight.float()
-        bias = head.bias.float() if getattr(head, "bias", None) is not None else None
-        softcap = getattr(self.model.config, "final_logit_softcapping", None)
-        for start in range(0, hidden.shape[0], CHUNK):
-            logits = hidden[start : start + CHUNK].float() @ weight.T
-            if bias is not None:
-                logits = logits + bias
-            yield torch.tanh(logits / softcap) * softcap if softcap else logits
-
     @torch.inference_mode()
     def kl(self, hidden: torch.Tensor) -> torch.Tensor:
         """KL(reference || candidate) per position, float64, from the candidate's final hidden
         states: Σ p log p - Σ p z + logsumexp z, with no [positions x vocab] log-softmax built."""
         out = []
-        for index, logits in enumerate(self._logit_chunks(hidden)):
+        for index, logits in enumerate(head_chunks(self.model, hidden, CHUNK)):
             rows = slice(index * CHUNK, index * CHUNK + len(logits))
             cross = (self.reference_p[rows] * logits).sum(-1).double()
             kl = self.reference_plogp[rows] - cross + torch.logsumexp(logits, dim=-1).double()

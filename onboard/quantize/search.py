@@ -20,6 +20,7 @@ from rich.progress import Progress
 
 from onboard.quantize.compose import Composer
 from onboard.quantize.groups import Group, effective_bits, fits
+from onboard.quantize.knapsack import group_kl
 from onboard.quantize.replay import LayerReplay
 from onboard.workspace import console
 
@@ -74,7 +75,7 @@ def _moves(
     """Every single upgrade that fits, and every swap (one group down, another up) that fits."""
 
     def value(group: str, fmt: str) -> float:
-        return 0.0 if fmt == "bf16" else sensitivity[group][fmt]
+        return group_kl(sensitivity, group, fmt)
 
     rank = {f: i for i, f in enumerate(ladder)}
     bits = {(g.name, f): g.bits(f) for g in groups for f in ladder}

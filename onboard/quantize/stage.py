@@ -52,9 +52,9 @@ def run_quantize(run: RunDir, checkpoint: Checkpoint, settings: Quantize, calib:
         console.print(f"quantizing {checkpoint.path.name} to {scheme}: {SCHEMES[scheme].summary}")
         for fmt, patterns in sorted(pinned.items()):
             console.print(f"  {len(patterns)} pinned to {fmt}: {SCHEMES[fmt].summary}")
-        if needs_calibration(settings, {scheme, *pinned}) and dataset is None:
-            dataset = calibration_dataset(tokenizer, settings.calibration, calib)
-        calibrated = dataset if needs_calibration(settings, {scheme, *pinned}) else None
+        calibrated = None
+        if needs_calibration(settings, {scheme, *pinned}):
+            calibrated = dataset if dataset is not None else calibration_dataset(tokenizer, settings.calibration, calib)
         recipe.apply(
             model, tokenizer, recipe.modifier(settings, scheme, pinned), calibrated, settings.calibration.max_seq_length
         )
