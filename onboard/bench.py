@@ -7,9 +7,9 @@ from typing import Any
 import torch
 from rich.table import Table
 
+from onboard.console import console
 from onboard.data import builtin_records, load_records, stdlib_code_records, tokenize_records
 from onboard.models import Checkpoint, load_model, load_tokenizer
-from onboard.workspace import console
 
 NEW_TOKENS = 64
 PREFIX_TOKENS = 2000
@@ -66,24 +66,6 @@ def _ttft(engine, prompt: list[int]) -> float:
     return _timed(lambda: engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1)))[1]
 
 
-def weight_bytes_per_token(engine) -> int:
-    """Bytes of weights one decode step reads: every parameter and every linear's weight (held
-    pre-reordered outside the parameters on CPU), except that an untied embedding table only
-    gives one row per token (a tied one is read whole, as the output projection)."""
-    from onboard.engine.linear import EngineLinear
-
-    model = engine.runner.model
-    packed = sum(
-        m.out_features * m.in_features * model.dtype.itemsize
-        for m in model.modules()
-        if isinstance(m, EngineLinear) and m.packed is not None
-    )
-    tied = bool(getattr(engine.runner.hf_config, "tie_word_embeddings", False))
-    return packed + sum(
-        p.numel() * p.element_size() for name, p in model.named_parameters() if tied or "embed" not in name
-    )
-
-
 def run_bench(checkpoint: Checkpoint, data: Path | None) -> dict[str, Any]:
     from onboard.engine.llm_engine import LLMEngine
 
@@ -109,7 +91,7 @@ def run_bench(checkpoint: Checkpoint, data: Path | None) -> dict[str, Any]:
     warm = _ttft(engine, prefix_ids + prompts[1])
 
     bandwidth = memory_bandwidth()
-    bytes_per_step = weight_bytes_per_token(engine)
+    bytes_per_step = engine.weight_bytes_per_decode_step()
     return {
         "model": str(checkpoint.path),
         "new_tokens": NEW_TOKENS,
@@ -121,6 +103,7 @@ def run_bench(checkpoint: Checkpoint, data: Path | None) -> dict[str, Any]:
         "prefix_ttft_cold_s": cold,
         "prefix_ttft_warm_s": warm,
         "weight_bytes_per_decode_step": bytes_per_step,
+        "kv_bytes_per_token": engine.kv_layout.bytes_per_token(),
         "memory_bandwidth_gbps": bandwidth / 1e9,
         "bandwidth_fraction_c1": bytes_per_step * engine_c1 / bandwidth,
     }

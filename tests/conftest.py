@@ -44,6 +44,24 @@ def tiny_qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_models.build_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe")
 
 
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny deepseek_v3: MLA without q_lora_rank, YaRN, DeepSeek MoE. Shared: do not modify."""
+    return tiny_models.build_model(tmp_path_factory.mktemp("tiny_deepseek_v3"), "deepseek_v3")
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny deepseek_v32: MLA + DSA indexer (top-16), YaRN, DeepSeek MoE. Shared: do not modify."""
+    return tiny_models.build_model(tmp_path_factory.mktemp("tiny_deepseek_v32"), "deepseek_v32")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm_moe_dsa(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny glm_moe_dsa (GLM-5): MLA + DSA with a shared-indexer layer. Shared: do not modify."""
+    return tiny_models.build_model(tmp_path_factory.mktemp("tiny_glm_moe_dsa"), "glm_moe_dsa")
+
+
 @pytest.fixture
 def tiny_llama_copy(tiny_llama: Path, tmp_path: Path) -> Path:
     """A private copy of `tiny_llama` that a test may corrupt."""

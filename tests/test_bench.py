@@ -6,7 +6,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from onboard.bench import weight_bytes_per_token
 from onboard.engine.config import EngineConfig
 from onboard.engine.llm_engine import LLMEngine
 
@@ -15,8 +14,8 @@ from onboard.engine.llm_engine import LLMEngine
 def test_weight_bytes_per_decode_step_count_every_stored_weight(arch: str, request: pytest.FixtureRequest) -> None:
     path: Path = request.getfixturevalue(arch)
     engine = LLMEngine(path, EngineConfig(block_size=4, num_blocks=64, max_model_len=128))
-    tied = engine.runner.hf_config.tie_word_embeddings
-    config = engine.runner.hf_config
+    tied = engine.hf_config.tie_word_embeddings
+    config = engine.hf_config
     expected = 0
     for name, tensor in load_file(path / "model.safetensors").items():
         # A decode step reads one row of an untied embedding table; a tied one is the lm_head.
@@ -28,4 +27,4 @@ def test_weight_bytes_per_decode_step_count_every_stored_weight(arch: str, reque
         elif name.endswith("k_norm.weight"):
             copies = config.num_key_value_heads
         expected += copies * tensor.numel() * torch.bfloat16.itemsize
-    assert weight_bytes_per_token(engine) == expected
+    assert engine.weight_bytes_per_decode_step() == expected

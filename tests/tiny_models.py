@@ -42,7 +42,35 @@ EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN]  # ids 0, 1, 2
 PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
 
-ARCHS = ("llama", "qwen3", "qwen3_moe")
+ARCHS = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+# The DeepSeek-style families: MLA (latent KV), DSA (indexer + top-k), DeepSeek MoE routing.
+MLA_ARCHS = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+DSA_ARCHS = ("deepseek_v32", "glm_moe_dsa")
+
+# MLA / DSA / DeepSeek-MoE sizes (multiples of 16 for NVFP4, except routers and the indexer's
+# per-head weights, which recipes keep in BF16).
+KV_LORA_RANK = 32
+Q_LORA_RANK = 32
+QK_NOPE_HEAD_DIM = 16
+QK_ROPE_HEAD_DIM = 16
+V_HEAD_DIM = 16
+NUM_ROUTED_EXPERTS = 8
+NUM_EXPERT_GROUPS = 2
+INDEX_TOPK = 16  # below the parity prompts' lengths, so selection really is sparse there
+INDEX_HEAD_DIM = 32
+INDEX_N_HEADS = 4
+DEEPSEEK_LAYERS = 3  # layer 0 dense (first_k_dense_replace = 1), layers 1-2 MoE
+# DeepSeek-V3's published rope: YaRN with mscale (factor and original length scaled down).
+YARN_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 
 # Std of the re-initialised weights (transformers' default is 0.02).  With 0.1 everywhere the
 # next-token distribution is nearly uniform (entropy ~5.9 of log(512) = 6.24 nats); these values
@@ -219,7 +247,42 @@ def _config(arch: str) -> transformers.PretrainedConfig:
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
+    if arch in MLA_ARCHS:
+        return _deepseek_config(arch, common)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+
+
+def _deepseek_config(arch: str, common: dict) -> transformers.PretrainedConfig:
+    """deepseek_v3 without q_lora_rank (the V2-Lite form) and with YaRN; deepseek_v32 with
+    q_lora_rank, YaRN and the DSA indexer; glm_moe_dsa with the indexer on layers 0 and 2 and
+    layer 1 reusing layer 0's selection ("shared")."""
+    mla = {k: v for k, v in common.items() if k not in ("head_dim", "num_key_value_heads")}
+    mla.update(
+        num_hidden_layers=DEEPSEEK_LAYERS,
+        num_key_value_heads=NUM_ATTENTION_HEADS,
+        tie_word_embeddings=False,
+        kv_lora_rank=KV_LORA_RANK,
+        q_lora_rank=Q_LORA_RANK,
+        qk_nope_head_dim=QK_NOPE_HEAD_DIM,
+        qk_rope_head_dim=QK_ROPE_HEAD_DIM,
+        v_head_dim=V_HEAD_DIM,
+        moe_intermediate_size=MOE_INTERMEDIATE_SIZE // 2,
+        n_routed_experts=NUM_ROUTED_EXPERTS,
+        num_experts_per_tok=NUM_EXPERTS_PER_TOK,
+        n_group=NUM_EXPERT_GROUPS,
+        topk_group=1,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=1,
+    )
+    if arch == "deepseek_v3":
+        mla.update(q_lora_rank=None, rope_parameters=dict(YARN_ROPE), rope_interleave=True)
+        return transformers.DeepseekV3Config(**mla)
+    mla.update(index_topk=INDEX_TOPK, index_head_dim=INDEX_HEAD_DIM, index_n_heads=INDEX_N_HEADS)
+    if arch == "deepseek_v32":
+        return transformers.DeepseekV32Config(**mla, rope_parameters=dict(YARN_ROPE))
+    return transformers.GlmMoeDsaConfig(**mla, indexer_types=["full", "shared", "full"])
 
 
 def _make_model(arch: str, seed: int) -> transformers.PreTrainedModel:
@@ -236,6 +299,10 @@ def _make_model(arch: str, seed: int) -> transformers.PreTrainedModel:
                 continue
             std = EMBED_STD if ("embed_tokens" in name or "lm_head" in name) else LINEAR_STD
             param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+        # DeepSeek routers' selection bias is a buffer: random too, so that it changes the choice.
+        for name, buffer in sorted(model.named_buffers(), key=lambda kv: kv[0]):
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=gen, dtype=torch.float32) * 0.1)
     model = model.to(torch.bfloat16).eval()
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID

@@ -1,10 +1,12 @@
-"""Engine settings: sizes of the paged KV cache and of one scheduling step."""
+"""Engine settings: where it runs, the paged KV cache, and one scheduling step."""
 
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class EngineConfig:
+    device: str = "cpu"  # torch device the weights, the cache and every step live on
+    attention_backend: str | None = None  # None: the device's default (onboard/engine/attention/)
     block_size: int = 16  # tokens per KV-cache block
     num_blocks: int = 2048  # KV-cache blocks (all layers share one block table per sequence)
     max_num_seqs: int = 64  # sequences running at once

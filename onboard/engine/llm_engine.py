@@ -3,6 +3,7 @@
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,12 +58,11 @@ class LLMEngine:
         path: Path,
         config: EngineConfig | None = None,
         dtype: torch.dtype = torch.bfloat16,
-        device: str = "cpu",
     ):
         self.config = config or EngineConfig()
         self.path = Path(path)
         self.tokenizer = load_tokenizer(inspect_checkpoint(self.path))
-        self.runner = ModelRunner(self.path, self.config, dtype=dtype, device=device)
+        self.runner = ModelRunner(self.path, self.config, dtype=dtype)
         self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.sampler = Sampler()
@@ -88,6 +88,65 @@ class LLMEngine:
                     f"the speculator reads layers {draft.aux_layer_ids}; the model has {text.num_hidden_layers}"
                 )
         self.speculator = Speculator(draft, num_speculative_tokens) if draft is not None else None
+
+    # -- what stages may read -----------------------------------------------------------------
+
+    @property
+    def hf_config(self):
+        """The served checkpoint's transformers config."""
+        return self.runner.hf_config
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    @property
+    def kv_layout(self):
+        """What the model caches per token (`onboard.engine.kv_cache.KVLayout`)."""
+        return self.runner.kv_layout
+
+    def target_tensors(self) -> dict[str, torch.Tensor]:
+        """float32 copies of the embedding, the output projection and the final norm (an EAGLE-3
+        draft starts from them)."""
+        model = self.runner.model
+        return {
+            "embed_tokens": model.embed_tokens.float(),
+            "lm_head": model.lm_head.weight.float(),
+            "norm": model.norm.weight.float(),
+        }
+
+    def weight_bytes_per_decode_step(self) -> int:
+        """Bytes of weights one decode step reads: every parameter and every linear's weight (held
+        pre-reordered outside the parameters on CPU), except that an untied embedding table only
+        gives one row per token (a tied one is read whole, as the output projection)."""
+        from onboard.engine.linear import EngineLinear
+
+        model = self.runner.model
+        packed = sum(
+            m.out_features * m.in_features * model.dtype.itemsize
+            for m in model.modules()
+            if isinstance(m, EngineLinear) and m.packed is not None
+        )
+        tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
+        return packed + sum(
+            p.numel() * p.element_size() for name, p in model.named_parameters() if tied or "embed" not in name
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """Scheduler and cache counters, as `/metrics` publishes them."""
+        bm, scheduler = self.block_manager, self.scheduler
+        return {
+            "num_running": scheduler.num_running,
+            "num_waiting": scheduler.num_waiting,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_blocks": bm.num_blocks,
+            "kv_cache_usage": bm.usage,
+            "prefix_cache_hit_rate": bm.hit_rate,
+            "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_hits": bm.prefix_hits,
+            "num_preemptions": scheduler.num_preemptions,
+            "kv_bytes_per_token": self.kv_layout.bytes_per_token(),
+        }
 
     def _eos_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
@@ -145,7 +204,7 @@ class LLMEngine:
             return []
         if self.speculator is not None:
             return self._speculative_step(scheduled)
-        logits = self.runner.run(scheduled)
+        logits = self.runner.run(scheduled).logits
         sampling = [item for item in scheduled if item.samples]
         sampled = self._sample(sampling, logits) if sampling else {}
         self.scheduler.postprocess(scheduled, {seq_id: token for seq_id, (token, _) in sampled.items()})
@@ -222,30 +281,26 @@ class LLMEngine:
                 continue
             self.block_manager.may_append(seq)
             item.num_new_tokens += len(proposal.tokens)
+            item.num_proposals = len(proposal.tokens)
             proposals[seq.seq_id] = proposal
 
         starts = [item.seq.num_computed_tokens for item in scheduled]
-        batch = self.runner.prepare(scheduled)
-        model = self.runner.model
-        hidden = model.forward(batch, self.runner.cache, aux_layers=spec.aux_layers)
-        aux = torch.cat(model.aux_hidden_states, dim=-1)
+        result = self.runner.run(scheduled, aux_layers=spec.aux_layers)
+        logits, aux = result.logits, result.aux
+        # Logits rows, in order: every new token of a verifying sequence, the last of a plain one.
+        plain, plain_rows, spec_rows = [], [], {}
+        row = 0
+        for item in scheduled:
+            if item.num_proposals:
+                spec_rows[item.seq.seq_id] = slice(row, row + item.num_new_tokens)
+                row += item.num_new_tokens
+            elif item.samples:
+                plain.append(item)
+                plain_rows.append(row)
+                row += 1
         offsets = [0]
         for item in scheduled:
             offsets.append(offsets[-1] + item.num_new_tokens)
-        # Logits rows: the last of a plain sampling sequence, every one of a verifying sequence.
-        rows: list[int] = []
-        plain, plain_rows, spec_rows = [], [], {}
-        for item, end in zip(scheduled, offsets[1:], strict=True):
-            if not item.samples:
-                continue
-            if item.seq.seq_id in proposals:
-                spec_rows[item.seq.seq_id] = slice(len(rows), len(rows) + item.num_new_tokens)
-                rows.extend(range(end - item.num_new_tokens, end))
-            else:
-                plain.append(item)
-                plain_rows.append(len(rows))
-                rows.append(end - 1)
-        logits = model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long)]) if rows else None
         sampled = self._sample(plain, logits[torch.tensor(plain_rows, dtype=torch.long)]) if plain else {}
         self.scheduler.postprocess(
             [item for item in scheduled if item.seq.seq_id not in proposals],
@@ -333,9 +388,7 @@ class LLMEngine:
             raise ValueError("not enough free KV-cache blocks for this sequence")
         self.block_manager.allocate(seq, reuse_prefix=False)
         try:
-            batch = self.runner.prepare([ScheduledSeq(seq, len(seq))])
-            final = self.runner.model.forward(batch, self.runner.cache, aux_layers=tuple(aux_layers))
-            return final, list(self.runner.model.aux_hidden_states)
+            return self.runner.forward_hidden([ScheduledSeq(seq, len(seq))], tuple(aux_layers))
         finally:
             self.block_manager.deallocate(seq)
             seq.status = SequenceStatus.FINISHED

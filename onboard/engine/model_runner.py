@@ -1,39 +1,45 @@
-"""Turns one scheduled step into a forward pass over the paged KV cache, and logits."""
+"""Turns one scheduled step into a forward pass over the paged KV cache: logits and aux states."""
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig
 
+from onboard.engine.attention import attention_backend
 from onboard.engine.batch import ForwardBatch
 from onboard.engine.config import EngineConfig
+from onboard.engine.context import StepContext
 from onboard.engine.kv_cache import KVCache
 from onboard.engine.models import model_class
 from onboard.engine.scheduler import ScheduledSeq
 from onboard.engine.weights import CheckpointWeights
 
 
+@dataclass
+class StepResult:
+    """float32 logits of the step's logits rows (in `prepare`'s order) and the aux hidden states
+    `[T, len(aux_layers) * H]` of every computed token (None when no aux layer was asked for)."""
+
+    logits: torch.Tensor
+    aux: torch.Tensor | None
+
+
 class ModelRunner:
-    def __init__(self, path: Path, config: EngineConfig, dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
+    def __init__(self, path: Path, config: EngineConfig, dtype: torch.dtype = torch.bfloat16):
         self.config = config
-        self.device = torch.device(device)
+        self.device = torch.device(config.device)
         self.hf_config = AutoConfig.from_pretrained(path)
-        weights = CheckpointWeights(Path(path), dtype=dtype, device=device)
+        weights = CheckpointWeights(Path(path), dtype=dtype, device=self.device)
         self.model = model_class(self.hf_config)(self.hf_config, weights)
-        text = self.hf_config.get_text_config()
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.cache = KVCache(
-            num_layers=text.num_hidden_layers,
-            num_blocks=config.num_blocks,
-            block_size=config.block_size,
-            num_kv_heads=text.num_key_value_heads,
-            head_dim=head_dim,
-            dtype=dtype,
-            device=self.device,
-        )
-        self.vocab_size = text.vocab_size
+        self.backend = attention_backend(self.device, config.attention_backend)
+        self.kv_layout = self.model.kv_layout
+        self.cache = KVCache(self.kv_layout, config.num_blocks, config.block_size, self.device)
+        self.vocab_size = self.hf_config.get_text_config().vocab_size
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
+        """The step's inputs.  Logits rows: the last token of every sampling sequence, and every
+        new token of a sequence verifying draft proposals (`item.num_proposals > 0`)."""
         block_size = self.config.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -43,6 +49,7 @@ class ModelRunner:
             seq = item.seq
             start = seq.num_computed_tokens
             end = start + item.num_new_tokens
+            first_row = len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
@@ -51,7 +58,9 @@ class ModelRunner:
             context_lens.append(end)
             tables.append(table)
             decoding.append(start >= seq.num_prompt_tokens)
-            if item.samples:
+            if item.num_proposals:
+                logits_rows.extend(range(first_row, len(input_ids)))
+            elif item.samples:
                 logits_rows.append(len(input_ids) - 1)
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
         return ForwardBatch(
@@ -66,11 +75,27 @@ class ModelRunner:
             decoding=decoding,
         )
 
+    def context(self, batch: ForwardBatch, aux_layers: tuple[int, ...] = ()) -> StepContext:
+        return StepContext(
+            cache=self.cache,
+            backend=self.backend,
+            attn=self.backend.build_metadata(batch),
+            positions=batch.positions.to(self.device, non_blocking=True),
+            aux_layers=aux_layers,
+        )
+
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """float32 logits [S, vocab] for the scheduled sequences that sample this step, in order."""
+    def run(self, scheduled: list[ScheduledSeq], aux_layers: tuple[int, ...] = ()) -> StepResult:
         batch = self.prepare(scheduled)
-        hidden = self.model.forward(batch, self.cache)
+        out = self.model.forward(batch, self.context(batch, aux_layers))
+        aux = torch.cat(out.aux_hidden_states, dim=-1) if aux_layers else None
         if len(batch.logits_indices) == 0:
-            return torch.empty(0, self.vocab_size)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+            return StepResult(torch.empty(0, self.vocab_size), aux)
+        return StepResult(self.model.compute_logits(out.hidden[batch.logits_indices]), aux)
+
+    @torch.inference_mode()
+    def forward_hidden(self, scheduled: list[ScheduledSeq], aux_layers: tuple[int, ...] = ()):
+        """Final hidden states `[T, H]` of every computed token and the aux layers' inputs."""
+        batch = self.prepare(scheduled)
+        out = self.model.forward(batch, self.context(batch, aux_layers))
+        return out.hidden, out.aux_hidden_states

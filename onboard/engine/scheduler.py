@@ -22,6 +22,7 @@ class ScheduledSeq:
 
     seq: Sequence
     num_new_tokens: int
+    num_proposals: int = 0  # of the new tokens, draft proposals to verify (each gets a logits row)
     samples: bool = field(init=False)  # the step ends on the sequence's last token, so it samples
 
     def __post_init__(self) -> None:

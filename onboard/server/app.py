@@ -82,7 +82,7 @@ class Server:
         self.tokenizer = engine.tokenizer
         self.grammars = engine.grammars
         self.max_model_len = engine.config.max_model_len
-        self.vocab_size = min(len(engine.tokenizer), engine.runner.vocab_size)
+        self.vocab_size = min(len(engine.tokenizer), engine.vocab_size)
         self.token_text = TokenText(engine.tokenizer)
         self.created = int(time.time())
 
@@ -282,7 +282,11 @@ def serve(
     uvicorn until interrupted."""
     import uvicorn
 
-    engine = LLMEngine(model_dir, engine_config, device=device)
+    from dataclasses import replace
+
+    from onboard.engine.config import EngineConfig
+
+    engine = LLMEngine(model_dir, replace(engine_config or EngineConfig(), device=device))
     if speculator is not None:
         from onboard.speculator.export import load_speculator, speculative_tokens
 

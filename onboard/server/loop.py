@@ -267,7 +267,6 @@ class EngineLoop:
             future.set_exception(err)
 
     def _publish(self) -> None:
-        bm, scheduler = self.engine.block_manager, self.engine.scheduler
         spec = self.engine.speculator.stats if self.engine.speculator is not None else None
         speculative = (
             {
@@ -281,15 +280,7 @@ class EngineLoop:
         )
         self.metrics.publish(
             EngineStats(
-                num_running=scheduler.num_running,
-                num_waiting=scheduler.num_waiting,
-                num_free_blocks=bm.num_free_blocks,
-                num_blocks=bm.num_blocks,
-                kv_cache_usage=bm.usage,
-                prefix_cache_hit_rate=bm.hit_rate,
-                prefix_cache_queries=bm.prefix_queries,
-                prefix_cache_hits=bm.prefix_hits,
-                num_preemptions=scheduler.num_preemptions,
+                **self.engine.stats(),
                 num_in_flight=len(self._streams),
                 **speculative,
             )

@@ -32,6 +32,7 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    kv_bytes_per_token: int = 0  # the model's KV layout, all layers and cached tensors
     num_in_flight: int = 0  # requests the server still streams to
     # Speculative decoding (vLLM's spec_decode_* counters); None when serving without a draft.
     spec_num_drafts: int | None = None
@@ -155,6 +156,7 @@ class Metrics:
             ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", e.kv_cache_usage),
             ("kv_cache_free_blocks", "Free KV-cache blocks.", e.num_free_blocks),
             ("kv_cache_total_blocks", "All KV-cache blocks.", e.num_blocks),
+            ("kv_cache_bytes_per_token", "KV-cache bytes one token takes, all layers.", e.kv_bytes_per_token),
             (
                 "prefix_cache_hit_rate",
                 "Prompt tokens found in the prefix cache / prompt tokens looked up.",

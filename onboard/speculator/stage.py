@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from onboard import atomic
+from onboard.console import console
 from onboard.hashing import code_version, hash_json
-from onboard.recipes import Speculator
+from onboard.recipes import SpeculatorSettings
 from onboard.speculator.data import (
     TRAFFIC,
     capture_shards,
@@ -32,20 +33,20 @@ from onboard.speculator.draft import Eagle3Draft, draft_layer_config
 from onboard.speculator.export import export_speculator
 from onboard.speculator.measure import acceptance_table, held_out_prompts, measure_acceptance
 from onboard.speculator.train import TrainSettings, train_draft
-from onboard.workspace import RunDir, console
+from onboard.workspace import RunDir
 
 
 def build_draft(engine, vocab: torch.Tensor, aux_layers: list[int]) -> Eagle3Draft:
     torch.manual_seed(0)
-    draft = Eagle3Draft(draft_layer_config(engine.runner.hf_config), len(vocab), aux_layers)
+    draft = Eagle3Draft(draft_layer_config(engine.hf_config), len(vocab), aux_layers)
     draft.set_vocab(vocab)
-    model = engine.runner.model
-    draft.init_from_target(model.embed_tokens.float(), model.lm_head.weight.float(), model.norm.weight.float())
+    target = engine.target_tensors()
+    draft.init_from_target(target["embed_tokens"], target["lm_head"], target["norm"])
     return draft
 
 
 def run_speculator(
-    run: RunDir, settings: Speculator, data: Path | None, states_from: Path | None = None
+    run: RunDir, settings: SpeculatorSettings, data: Path | None, states_from: Path | None = None
 ) -> dict[str, Any]:
     """`states_from`: another checkpoint (e.g. the BF16 original) whose responses and hidden states
     the draft is trained on instead of the artifact's; it is still measured on the artifact."""
@@ -80,7 +81,7 @@ def run_speculator(
         torch.manual_seed(0)
         engine = LLMEngine(run.artifact, EngineConfig(enable_prefix_caching=False))
         tokenizer = engine.tokenizer
-        layers = engine.runner.hf_config.get_text_config().num_hidden_layers
+        layers = engine.hf_config.get_text_config().num_hidden_layers
         aux_layers = settings.aux_layers or default_aux_layers(layers)
         started = time.perf_counter()
         # With DATA, its last rows are held out and measured on; without, the eval split.
@@ -112,7 +113,7 @@ def run_speculator(
             partial.rename(work_data)
         data_seconds = time.perf_counter() - started
 
-        vocab = draft_vocabulary(work_data, settings.draft_vocab_size, engine.runner.vocab_size)
+        vocab = draft_vocabulary(work_data, settings.draft_vocab_size, engine.vocab_size)
         draft = build_draft(engine, vocab, aux_layers)
         train = TrainSettings(
             epochs=settings.epochs,
@@ -123,7 +124,7 @@ def run_speculator(
         )
         started = time.perf_counter()
         resume_key = hash_json({"data": data_key, "settings": settings.model_dump()})
-        head = engine.runner.model.lm_head.weight.float()
+        head = engine.target_tensors()["lm_head"]
         history = train_draft(draft, work_data, head, train, work / "checkpoint", resume_key)
         train_seconds = time.perf_counter() - started
         k = settings.num_speculative_tokens

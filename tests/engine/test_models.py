@@ -17,7 +17,9 @@ import transformers
 from safetensors.torch import load_file
 
 from onboard.engine.batch import ForwardBatch
-from onboard.engine.kv_cache import KVCache
+from onboard.engine.attention import AttentionMetadata, attention_backend
+from onboard.engine.context import StepContext
+from onboard.engine.kv_cache import KVCache, KVLayout
 from onboard.engine.linear import EngineLinear
 from onboard.engine.models import (
     MODEL_REGISTRY,
@@ -27,7 +29,7 @@ from onboard.engine.models import (
     model_class,
     supported_architectures,
 )
-from onboard.engine.models.llama import NotFusable
+from onboard.engine.weights import NotFusable
 
 DTYPE = torch.bfloat16
 BLOCK_SIZE = 4
@@ -101,8 +103,17 @@ def load_hf(path: Path) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE).eval()
 
 
+BACKEND = attention_backend("cpu")
+
+
 def new_cache(model: LlamaModel, num_blocks: int = 64) -> KVCache:
-    return KVCache.from_spec(model.kv_cache_spec, num_blocks, BLOCK_SIZE, "cpu")
+    return KVCache(model.kv_layout, num_blocks, BLOCK_SIZE, "cpu")
+
+
+def forward(model, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+    """The model's hidden states for one step, on the exact CPU backend."""
+    ctx = StepContext(cache, BACKEND, BACKEND.build_metadata(batch), batch.positions)
+    return model(batch, ctx).hidden
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,7 +185,7 @@ def engine_generate(
             else:
                 work.append((s, 1))
         batch = make_batch(work, allocator)
-        logits = model.compute_logits(model(batch, cache)[batch.logits_indices])
+        logits = model.compute_logits(forward(model, batch, cache)[batch.logits_indices])
         for (s, n), row in zip(work, logits, strict=True):
             s.num_computed += n
             if s.num_computed == len(s.tokens):  # the step reached the end of what it knows: sample
@@ -216,7 +227,7 @@ def prefill_parity(path: Path, lengths: list[int], kind: str = "plain", seed: in
     cache = new_cache(model)
     seqs = [Seq(p) for p in prompts]
     batch = make_batch([(s, len(s.tokens)) for s in seqs], BlockAllocator(cache.num_blocks))
-    hidden = model(batch, cache)
+    hidden = forward(model, batch, cache)
     assert hidden.shape == (sum(lengths), config.hidden_size) and hidden.dtype == DTYPE
     logits = model.compute_logits(hidden)
     assert logits.dtype == torch.float32
@@ -380,19 +391,19 @@ def test_registry():
         model_class(transformers.PretrainedConfig(architectures=["NotAModelForCausalLM"]))
     message = str(info.value)
     assert "NotAModelForCausalLM" in message and "LlamaForCausalLM" in message
-    assert "onboard/engine/models/" in message
+    assert "docs/adding-an-architecture.md" in message
 
 
 def test_kv_cache_write_gather():
-    cache = KVCache(2, 8, BLOCK_SIZE, 2, 4, torch.float32, "cpu")
+    cache = KVCache(KVLayout.mha(2, 2, 4, torch.float32), 8, BLOCK_SIZE, "cpu")
     k = torch.randn(6, 2, 4)
     v = torch.randn(6, 2, 4)
     table = [5, 2]
     slots = torch.tensor([table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(6)])
-    cache.write(1, k, v, slots)
-    gk, gv = cache.gather(1, table, 6)
+    cache.write(1, slots, k=k, v=v)
+    gk, gv = cache.gather("k", 1, table, 6), cache.gather("v", 1, table, 6)
     assert torch.equal(gk, k) and torch.equal(gv, v)
-    assert cache.k_caches[0].abs().sum() == 0
+    assert cache.blocks("k", 0).abs().sum() == 0
 
 
 def _reference_attention(q, k, v, window):
@@ -426,11 +437,9 @@ def _reference_attention(q, k, v, window):
 )
 def test_paged_attention_matches_reference(scenario, window, consecutive):
     """paged_attention vs float64 attention over each sequence's full K/V (float32 cache)."""
-    from onboard.engine.attention import AttentionMetadata, paged_attention
-
     torch.manual_seed(0)
     h, kvh, d = 4, 2, 8
-    cache = KVCache(1, 32, BLOCK_SIZE, kvh, d, torch.float32, "cpu")
+    cache = KVCache(KVLayout.mha(1, kvh, d, torch.float32), 32, BLOCK_SIZE, "cpu")
     allocator = BlockAllocator(cache.num_blocks, seed=3)
     if consecutive:  # blocks handed out in order, as the engine's block manager does
         allocator.free.sort(reverse=True)
@@ -440,7 +449,7 @@ def test_paged_attention_matches_reference(scenario, window, consecutive):
         k, v = torch.randn(cached + new, kvh, d), torch.randn(cached + new, kvh, d)
         if cached:  # an earlier step wrote the prefix
             prefix = make_batch([(seq, cached)], allocator)
-            cache.write(0, k[:cached], v[:cached], prefix.slot_mapping)
+            cache.write(0, prefix.slot_mapping, k=k[:cached], v=v[:cached])
             seq.num_computed = cached
         full_k.append(k)
         full_v.append(v)
@@ -451,7 +460,7 @@ def test_paged_attention_matches_reference(scenario, window, consecutive):
     v_new = torch.cat([v[s.num_computed :] for v, (s, _) in zip(full_v, work, strict=True)])
     meta = AttentionMetadata.build(batch, "cpu")
     assert (meta.decode_block_range is not None) == (consecutive and len(scenario) == 1 and scenario[0][1] == 1)
-    out = paged_attention(q, k_new, v_new, 0, cache, meta, d**-0.5, sliding_window=window)
+    out = BACKEND.attend(q, k_new, v_new, 0, cache, meta, d**-0.5, window)
     assert out.shape == q.shape
     start = 0
     for (_seq, new), k, v in zip(work, full_k, full_v, strict=True):
@@ -461,8 +470,6 @@ def test_paged_attention_matches_reference(scenario, window, consecutive):
 
 
 def test_decode_reads_consecutive_blocks_in_place():
-    from onboard.engine.attention import AttentionMetadata
-
     seq = Seq(list(range(9)))
     seq.table = [4, 5, 6]
     seq.num_computed = 8
@@ -472,23 +479,20 @@ def test_decode_reads_consecutive_blocks_in_place():
 
 def test_bf16_decode_attention_close_to_reference():
     """A bf16 decode batch of sequences with different context lengths."""
-    import onboard.engine.attention as attention
-
     torch.manual_seed(0)
     h, kvh, d = 4, 2, 16
-    cache = KVCache(1, 32, BLOCK_SIZE, kvh, d, DTYPE, "cpu")
+    cache = KVCache(KVLayout.mha(1, kvh, d, DTYPE), 32, BLOCK_SIZE, "cpu")
     allocator = BlockAllocator(cache.num_blocks, seed=5)
     seqs = [Seq(list(range(n))) for n in (9, 3, 14)]
     ks = [torch.randn(len(s.tokens), kvh, d).to(DTYPE) for s in seqs]
     vs = [torch.randn(len(s.tokens), kvh, d).to(DTYPE) for s in seqs]
     for s, k, v in zip(seqs, ks, vs, strict=True):
-        cache.write(0, k[:-1], v[:-1], make_batch([(s, len(s.tokens) - 1)], allocator).slot_mapping)
+        cache.write(0, make_batch([(s, len(s.tokens) - 1)], allocator).slot_mapping, k=k[:-1], v=v[:-1])
         s.num_computed = len(s.tokens) - 1
     batch = make_batch([(s, 1) for s in seqs], allocator)
     q = torch.randn(len(seqs), h, d).to(DTYPE)
-    out = attention.paged_attention(
-        q, torch.stack([k[-1] for k in ks]), torch.stack([v[-1] for v in vs]), 0, cache, batch, d**-0.5
-    )
+    meta = AttentionMetadata.build(batch, "cpu")
+    out = BACKEND.attend(q, torch.stack([k[-1] for k in ks]), torch.stack([v[-1] for v in vs]), 0, cache, meta, d**-0.5)
     assert out.dtype == DTYPE
     for i, (k, v) in enumerate(zip(ks, vs, strict=True)):
         ref = _reference_attention(q[i : i + 1].float(), k.float(), v.float(), None)

@@ -29,8 +29,8 @@ def seeded_draft(path: Path, engine: LLMEngine, vocab: torch.Tensor, seed: int) 
     torch.manual_seed(seed)
     draft = Eagle3Draft(draft_layer_config(AutoConfig.from_pretrained(path)), len(vocab), [0, 1])
     draft.set_vocab(vocab)
-    model = engine.runner.model
-    draft.init_from_target(model.embed_tokens.float(), model.lm_head.weight.float(), model.norm.weight.float())
+    target = engine.target_tensors()
+    draft.init_from_target(target["embed_tokens"], target["lm_head"], target["norm"])
     return draft.eval()
 
 
@@ -60,7 +60,7 @@ def random_prompts(vocab_size: int, lengths: tuple[int, ...], seed: int = 7) -> 
 def test_speculative_greedy_equals_plain_greedy(arch: str, k: int, dtype: torch.dtype, request) -> None:
     path = request.getfixturevalue(arch)
     engine = make_engine(path, dtype)
-    vocab_size = engine.runner.vocab_size
+    vocab_size = engine.vocab_size
     prompts = random_prompts(vocab_size, (5, 12, 31))
     params = greedy(24, logprobs=5)
     plain = engine.generate(prompts, params)
@@ -102,7 +102,7 @@ def test_rejected_proposals_roll_back_exactly(tiny_llama: Path, k: int) -> None:
     """After rounds with every number of accepted proposals, the KV the sequence leaves in the
     prefix cache is the one plain decoding writes: a later request reusing it decodes the same."""
     engine = make_engine(tiny_llama, enable_prefix_caching=True)
-    draft = seeded_draft(tiny_llama, engine, torch.arange(engine.runner.vocab_size), seed=0)
+    draft = seeded_draft(tiny_llama, engine, torch.arange(engine.vocab_size), seed=0)
     prompt = list(range(10, 27))
     (plain,) = engine.generate([prompt], greedy(40))
     fresh = make_engine(tiny_llama)  # nothing cached
@@ -140,7 +140,7 @@ def test_structured_output_with_speculation(tiny_llama: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=200, frequency_penalty=2.0, presence_penalty=2.0)
     spec_grammar = GrammarSpec("json_schema", json.dumps(schema))
     plain = engine.generate(prompts, params, spec_grammar)
-    engine.set_speculator(seeded_draft(tiny_llama, engine, torch.arange(engine.runner.vocab_size), seed=1), 3)
+    engine.set_speculator(seeded_draft(tiny_llama, engine, torch.arange(engine.vocab_size), seed=1), 3)
     spec = engine.generate(prompts, params, spec_grammar)
     for a, b in zip(spec, plain, strict=True):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason == "stop"
@@ -159,7 +159,7 @@ def test_speculative_sampling_is_distributed_as_plain_sampling(tiny_llama: Path)
     # Temperature 1.5 flattens these random models' distributions; top-k 4 keeps the table small.
     params = [SamplingParams(temperature=1.5, top_k=4, max_tokens=2, ignore_eos=True, seed=s) for s in range(samples)]
     plain = engine.generate([prompt] * samples, params)
-    engine.set_speculator(seeded_draft(tiny_llama, engine, torch.arange(0, engine.runner.vocab_size, 2), seed=3), 1)
+    engine.set_speculator(seeded_draft(tiny_llama, engine, torch.arange(0, engine.vocab_size, 2), seed=3), 1)
     spec = engine.generate([prompt] * samples, params)
     assert engine.speculator.stats.num_drafts == samples
     pairs = sorted({tuple(c.token_ids) for c in plain} | {tuple(c.token_ids) for c in spec})

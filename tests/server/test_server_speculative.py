@@ -30,10 +30,10 @@ def test_speculative_server_matches_plain_and_reports_acceptance(tiny_llama: Pat
 
     engine = LLMEngine(tiny_llama, config, dtype=torch.float32)
     torch.manual_seed(0)
-    draft = Eagle3Draft(draft_layer_config(AutoConfig.from_pretrained(tiny_llama)), engine.runner.vocab_size, [0, 1])
-    draft.set_vocab(torch.arange(engine.runner.vocab_size))
-    model = engine.runner.model
-    draft.init_from_target(model.embed_tokens.float(), model.lm_head.weight.float(), model.norm.weight.float())
+    draft = Eagle3Draft(draft_layer_config(AutoConfig.from_pretrained(tiny_llama)), engine.vocab_size, [0, 1])
+    draft.set_vocab(torch.arange(engine.vocab_size))
+    target = engine.target_tensors()
+    draft.init_from_target(target["embed_tokens"], target["lm_head"], target["norm"])
     engine.set_speculator(draft, K)
     with ServerThread(build_app(engine, "m")) as url:
         spec = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()

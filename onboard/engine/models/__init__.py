@@ -1,18 +1,25 @@
-"""The engine's model adapters, by the `architectures` name of a transformers config."""
+"""The engine's model families, by the `architectures` name of a transformers config.
+
+Adding a family is a file in this folder plus a line here; `docs/adding-an-architecture.md`
+walks through one (MLA and DSA as the example).
+"""
 
 from typing import Any
 
-from onboard.engine.models.llama import LlamaModel, WeightSource
+from onboard.engine.models.base import DecoderModel
+from onboard.engine.models.llama import LlamaModel
 from onboard.engine.models.qwen3_moe import Qwen3MoeModel
 from onboard.errors import OnboardError
 
-MODEL_REGISTRY: dict[str, type[LlamaModel]] = {
+MODEL_REGISTRY: dict[str, type[DecoderModel]] = {
     "LlamaForCausalLM": LlamaModel,
     "MistralForCausalLM": LlamaModel,
     "Qwen2ForCausalLM": LlamaModel,
     "Qwen3ForCausalLM": LlamaModel,
     "Qwen3MoeForCausalLM": Qwen3MoeModel,
 }
+
+GUIDE = "docs/adding-an-architecture.md"
 
 
 class UnsupportedArchitecture(OnboardError):
@@ -23,7 +30,7 @@ def supported_architectures() -> list[str]:
     return sorted(MODEL_REGISTRY)
 
 
-def model_class(config: Any) -> type[LlamaModel]:
+def model_class(config: Any) -> type[DecoderModel]:
     """The engine model class for a transformers config (by `config.architectures[0]`)."""
     archs = list(getattr(config, "architectures", None) or [])
     for arch in archs:
@@ -32,16 +39,22 @@ def model_class(config: Any) -> type[LlamaModel]:
     name = archs[0] if archs else f"<none; model_type {getattr(config, 'model_type', None)!r}>"
     raise UnsupportedArchitecture(
         f"the serving engine does not support architecture {name}; supported: "
-        f"{', '.join(supported_architectures())}. Adapters for new architectures go in onboard/engine/models/."
+        f"{', '.join(supported_architectures())}. How to add one: {GUIDE}"
     )
+
+
+def engine_model_name(config: Any) -> str:
+    """The name of the engine class serving `config`; raises UnsupportedArchitecture."""
+    return model_class(config).__name__
 
 
 __all__ = [
     "MODEL_REGISTRY",
+    "DecoderModel",
     "LlamaModel",
     "Qwen3MoeModel",
     "UnsupportedArchitecture",
-    "WeightSource",
+    "engine_model_name",
     "model_class",
     "supported_architectures",
 ]

@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
-from onboard.engine.models.llama import LlamaMLP, LlamaModel, WeightSource
+from onboard.engine.layers.mlp import LlamaMLP
+from onboard.engine.layers.weight_source import WeightSource
+from onboard.engine.models.llama import LlamaModel
 
 
 class Qwen3MoeSparseBlock(torch.nn.Module):

@@ -1,0 +1,59 @@
+"""The device-generic backend: every decode row of a step in ONE padded SDPA call.
+
+The decode rows' blocks are gathered into one `[B, kvh, L, d]` batch (a single sequence on
+consecutive blocks is read as a view, no copy) and a key mask hides the padding, the positions
+outside a sliding window and, for DSA, the keys the indexer did not select.  Draft proposals
+under verification attend as a prefill continuation (one masked call per sequence).  Fast on
+accelerators; on the CPU its sums depend on the batch's longest context, so the exact backend
+(`cpu.py`) serves there.
+"""
+
+import torch
+
+from onboard.engine.attention.base import AttentionBackend, sdpa
+from onboard.engine.attention.metadata import AttentionMetadata
+from onboard.engine.kv_cache import KVCache
+
+
+def padded_decode(
+    q: torch.Tensor,
+    layer: int,
+    cache: KVCache,
+    meta: AttentionMetadata,
+    scale: float,
+    keys: str,
+    values: str | None,
+    value_dim: int | None,
+    window: int | None,
+    selected: list[torch.Tensor] | None,
+) -> torch.Tensor:
+    tables = meta.decode_block_tables
+    source = cache.blocks(keys, layer)
+    shape = (tables.shape[0], -1, *source.shape[2:])
+    if meta.decode_block_range is not None:  # no copy
+        first, last = meta.decode_block_range
+        k = source[first:last].view(shape)[:, : meta.decode_len]
+        v = None if values is None else cache.blocks(values, layer)[first:last].view(shape)[:, : meta.decode_len]
+    else:
+        flat = tables.view(-1)
+        k = source.index_select(0, flat).view(shape)[:, : meta.decode_len]
+        v = None if values is None else cache.blocks(values, layer).index_select(0, flat).view(shape)[:, : meta.decode_len]
+    if v is None:
+        v = k[..., :value_dim]
+    mask = meta.decode_mask_for(window)
+    if selected is not None:
+        chosen = torch.zeros(len(selected), meta.decode_len, dtype=torch.bool, device=q.device)
+        for i, positions in enumerate(selected):
+            chosen[i, positions] = True
+        chosen = chosen[:, None, None, :]
+        mask = chosen if mask is None else mask & chosen
+    out = sdpa(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask, scale, False)
+    return out.squeeze(2)
+
+
+class SdpaBackend(AttentionBackend):
+    name = "sdpa"
+    rowwise_verification = False
+
+    def decode(self, q, layer, cache, meta, scale, *, keys="k", values="v", value_dim=None, window=None, selected=None):
+        return padded_decode(q, layer, cache, meta, scale, keys, values, value_dim, window, selected)

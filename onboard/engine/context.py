@@ -1,0 +1,27 @@
+"""The engine's shared per-step vocabulary: what a model's forward gets and gives back."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from onboard.engine.attention import AttentionBackend, AttentionMetadata
+from onboard.engine.kv_cache import KVCache
+
+
+@dataclass
+class StepContext:
+    """One forward step, shared by all layers: the cache, the backend and its metadata, and the
+    per-step tables a model family computes once (RoPE cos/sin, keyed by the family)."""
+
+    cache: KVCache
+    backend: AttentionBackend
+    attn: AttentionMetadata
+    positions: torch.Tensor  # [T] on the model's device
+    aux_layers: tuple[int, ...] = ()
+    tables: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class ModelOutput:
+    hidden: torch.Tensor  # [T, H] final-normed hidden states of the step's tokens
+    aux_hidden_states: list[torch.Tensor]  # the inputs of decoder layers `aux_layers`, each [T, H]

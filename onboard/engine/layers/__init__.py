@@ -1,0 +1,1 @@
+"""Model pieces the engine families share: norms, MLPs, attention types, MoE blocks."""

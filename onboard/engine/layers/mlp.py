@@ -1,0 +1,24 @@
+"""The gated MLP, down(act(gate(x)) * up(x)): llama's MLP, and one MoE expert."""
+
+from typing import Any
+
+import torch
+from transformers.activations import ACT2FN
+
+from onboard.engine.layers.weight_source import WeightSource, fused_or_split
+
+
+class LlamaMLP(torch.nn.Module):
+    def __init__(self, config: Any, weights: WeightSource, prefix: str):
+        super().__init__()
+        self.gate_up_proj, split = fused_or_split(weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        self.gate_proj, self.up_proj = split if split is not None else (None, None)
+        self.down_proj = weights.linear(f"{prefix}.down_proj")
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj.forward(self.act_fn.forward(gate) * up)

@@ -1,0 +1,84 @@
+"""The decoder-only model shape every family shares, over the paged cache.
+
+`forward(batch, ctx)` returns a `ModelOutput`: the final-normed hidden states `[T, H]` of the
+step's tokens and the inputs of `ctx.aux_layers` (transformers' `hidden_states[i]`, what an
+EAGLE-3 draft reads); `compute_logits(hidden[batch.logits_indices])` the float32 logits.  A
+family says how to build one decoder layer (`make_layer`), what it caches (`kv_layout`) and what
+per-step tables its layers need (`prepare`, e.g. RoPE cos/sin).
+
+Numerics follow transformers' modeling code op for op in the compute dtype (RMSNorm in float32
+then cast, weight multiplied last; residual adds and the lm_head in the compute dtype, logits
+cast to float32 at the end).
+"""
+
+from abc import abstractmethod
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from onboard.engine.batch import ForwardBatch
+from onboard.engine.context import ModelOutput, StepContext
+from onboard.engine.kv_cache import KVLayout
+from onboard.engine.layers.norm import RMSNorm
+from onboard.engine.layers.weight_source import WeightSource
+from onboard.engine.linear import EngineLinear
+
+
+class DecoderLayer(torch.nn.Module):
+    """x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: Any, weights: WeightSource, prefix: str, attn: torch.nn.Module, mlp: torch.nn.Module):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(weights.tensor(f"{prefix}.input_layernorm.weight"), eps)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(weights.tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), ctx)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+
+
+class DecoderModel(torch.nn.Module):
+    def __init__(self, config: Any, weights: WeightSource):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = weights.tensor("model.embed_tokens.weight")
+        self.dtype = self.embed_tokens.dtype
+        self.device = self.embed_tokens.device
+        self.layers = torch.nn.ModuleList(
+            self.make_layer(config, weights, f"model.layers.{i}", i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(weights.tensor("model.norm.weight"), config.rms_norm_eps)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head = EngineLinear(self.embed_tokens)
+        else:
+            self.lm_head = weights.linear("lm_head")
+
+    @abstractmethod
+    def make_layer(self, config: Any, weights: WeightSource, prefix: str, layer_idx: int) -> torch.nn.Module: ...
+
+    @property
+    @abstractmethod
+    def kv_layout(self) -> KVLayout: ...
+
+    def prepare(self, batch: ForwardBatch, ctx: StepContext) -> None:
+        """Per-step tables the layers share (into `ctx.tables`)."""
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, ctx: StepContext) -> ModelOutput:
+        self.prepare(batch, ctx)
+        x = F.embedding(batch.input_ids.to(self.device, non_blocking=True), self.embed_tokens)
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if i in ctx.aux_layers:
+                aux.append(x)
+            x = layer.forward(x, ctx)
+        return ModelOutput(self.norm.forward(x), aux)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[S, H]` hidden states -> `[S, V]` float32 logits (lm_head in the compute dtype, as transformers)."""
+        return self.lm_head.forward(hidden).float()
