@@ -42,8 +42,8 @@ def bench(
     """Engine against transformers.generate: tokens/s at concurrency 1 and 16, prefix-cache TTFT;
     with --speculator, the speculator's acceptance and speed-up in the engine instead."""
     from onboard import atomic
+    from onboard.console import console
     from onboard.models import inspect_checkpoint
-    from onboard.workspace import console
 
     model_dir = model_dir_of(path)
     checkpoint = inspect_checkpoint(model_dir)

@@ -36,8 +36,8 @@ def existing_data(path: Path | None) -> Path | None:
 def recipe_with_overrides(checkpoint, recipe_path: Path | None, overrides: dict[str, tuple[str, object]]):
     """The recipe (explicit or matched by architecture) with overrides, {"--flag": ("dotted.key", value)},
     applied (None values are skipped)."""
+    from onboard.console import console
     from onboard.recipes import load_recipe, recipe_for, with_overrides
-    from onboard.workspace import console
 
     if recipe_path:
         recipe = load_recipe(recipe_path)

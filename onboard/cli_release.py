@@ -44,8 +44,8 @@ def smoke(
 
 def report(run_dir: RunDirArg) -> None:
     """RUN_DIR/report.html: one self-contained page (verdict, KL, speculator, parity, smoke, timings)."""
+    from onboard.console import console
     from onboard.report import write_report
-    from onboard.workspace import console
 
     console.print(f"report: {write_report(_run_dir(run_dir))}")
 
@@ -59,8 +59,9 @@ def gate(
 ) -> None:
     """Check the run against the recipe's release thresholds: RUN_DIR/gate.json (and JUnit XML);
     exit 0 when every check passes, 1 when one fails, 2 when a stage it needs is missing."""
+    from onboard.console import console
     from onboard.gate import evaluate_gate, exit_code, gate_table, gate_with_overrides, write_gate
-    from onboard.workspace import RunDir, console
+    from onboard.workspace import RunDir
 
     run = RunDir(_run_dir(run_dir))
     thresholds = gate_with_overrides(run.recipe().gate, set_ or [])

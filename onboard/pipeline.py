@@ -98,8 +98,8 @@ def run_pipeline(
 
 def finish(run_dir: Path, report: bool, gate: bool, junit: Path | None = None) -> int:
     """The verdict first (so the report's card shows it), then the report; the gate's exit code."""
+    from onboard.console import console
     from onboard.gate import evaluate_gate, exit_code, gate_table, write_gate
-    from onboard.workspace import console
 
     code = 0
     if gate:

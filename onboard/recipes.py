@@ -76,7 +76,7 @@ class Eval(_Strict):
     traffic: list[Traffic] = ["chat", "code", "math", "summarization", "structured"]
 
 
-class Speculator(_Strict):
+class SpeculatorSettings(_Strict):
     traffic: Literal["chat", "code", "math", "mixed"] = "mixed"
     num_prompts: int = Field(400, gt=0)
     max_prompt_tokens: int = Field(256, gt=1)
@@ -134,7 +134,7 @@ class Recipe(_Strict):
     architectures: list[str] = []
     quantize: Quantize = Quantize()
     eval: Eval = Eval()
-    speculator: Speculator = Speculator()
+    speculator: SpeculatorSettings = SpeculatorSettings()
     smoke: Smoke = Smoke()
     gate: Gate = Gate()
 

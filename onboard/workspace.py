@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
-from rich.console import Console
 from safetensors import SafetensorError
 
 from onboard import atomic
+from onboard.console import console as _console  # private here: its one home is onboard.console
 from onboard.errors import OnboardError
 from onboard.hashing import code_version, fingerprint, hash_json
 from onboard.recipes import Recipe, describe
@@ -30,8 +30,6 @@ from onboard.recipes import Recipe, describe
 MANIFEST = "manifest.json"
 STAGING = ".staging"
 _PACKAGES = ("torch", "transformers", "llmcompressor", "compressed-tensors", "onboard")
-
-console = Console(stderr=True)
 
 
 def _versions() -> dict[str, str]:
@@ -143,10 +141,10 @@ class RunDir:
             and previous.get("key") == key
             and all((self.root / out).exists() for out in outputs)
         ):
-            console.print(f"[bold]{name}[/]: cached, inputs unchanged ({self.root / MANIFEST})")
+            _console.print(f"[bold]{name}[/]: cached, inputs unchanged ({self.root / MANIFEST})")
             return previous
         if previous and previous.get("status") == "running":
-            console.print(f"[yellow]{name}[/]: an earlier run did not finish; redoing it")
+            _console.print(f"[yellow]{name}[/]: an earlier run did not finish; redoing it")
 
         staging = self.root / STAGING / name
         atomic.remove(staging)

@@ -19,7 +19,7 @@ Two quirks of real files are reproduced on purpose:
     (`GGUF_CONFIG_MAPPING["tokenizer"]` in transformers/integrations/ggml.py);
   - the tokenizer does not: `GGUFLlamaConverter.tokenizer` (used for every `llama` file) sets
     both its bos and its eos to `tokens[bos_token_id]`, so a Llama GGUF always loads with
-    eos = `<|im_start|>`. That is the mismatch `onboard.models.loading.fix_special_tokens`
+    eos = `<|im_start|>`. That is the mismatch `onboard.models.tokens.fix_special_tokens`
     repairs from the config, and why a converted SmolLM2 says eos = `<|im_start|>` without it.
   `eos_token_id` picks the metadata's eos id: `<|im_end|>` (the default, a correct file), or
   `GGUF_BOS_ID` for a file that really does say eos = bos (then config and tokenizer agree on
@@ -61,19 +61,6 @@ _LAYER_NAMES = {  # GGUF leaf name -> HF module path inside `model.layers.N`
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-
-
-def gguf_to_hf_name(name: str) -> str:
-    """`blk.1.attn_q.weight` -> `model.layers.1.self_attn.q_proj.weight`, etc."""
-    top = {
-        "token_embd.weight": "model.embed_tokens.weight",
-        "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-    }
-    if name in top:
-        return top[name]
-    _, layer, leaf, suffix = name.split(".")
-    return f"model.layers.{layer}.{_LAYER_NAMES[leaf]}.{suffix}"
 
 
 def vocabulary() -> tuple[list[str], list[str], list[int]]:

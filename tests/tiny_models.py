@@ -58,7 +58,7 @@ NUM_ROUTED_EXPERTS = 8
 NUM_EXPERT_GROUPS = 2
 INDEX_TOPK = 16  # below the parity prompts' lengths, so selection really is sparse there
 INDEX_HEAD_DIM = 32
-INDEX_N_HEADS = 4
+INDEX_N_HEADS = 8
 DEEPSEEK_LAYERS = 3  # layer 0 dense (first_k_dense_replace = 1), layers 1-2 MoE
 # DeepSeek-V3's published rope: YaRN with mscale (factor and original length scaled down).
 YARN_ROPE = {

@@ -9,12 +9,13 @@ from rich.table import Table
 
 from onboard import atomic
 from onboard.adapt.parity import compare_greedy, compare_logits
+from onboard.console import console
 from onboard.data import builtin_records, tokenize_records
 from onboard.errors import OnboardError
 from onboard.evaluate.kl import KLStats
 from onboard.hashing import fingerprint
 from onboard.models import Checkpoint, load_model, load_tokenizer
-from onboard.workspace import RunDir, Stage, console
+from onboard.workspace import RunDir, Stage
 
 NUM_PROMPTS = 16
 MAX_NEW_TOKENS = 64

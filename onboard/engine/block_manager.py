@@ -102,8 +102,9 @@ class BlockManager:
         num_revived = sum(self.blocks[b].ref_count == 0 for b in hits)  # cached hits sitting in the free list
         return seq.num_blocks - len(hits) + num_revived
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        return self._num_free_needed(seq, self._lookup(seq)[1]) <= self.num_free_blocks
+    def can_allocate(self, seq: Sequence, *, reuse_prefix: bool = True) -> bool:
+        hits = self._lookup(seq)[1] if reuse_prefix else []
+        return self._num_free_needed(seq, hits) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, *, reuse_prefix: bool = True) -> None:
         """Give `seq` blocks for all its tokens, reusing the cached prefix; sets its computed/cached counts.

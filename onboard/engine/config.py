@@ -7,6 +7,9 @@ from dataclasses import dataclass
 class EngineConfig:
     device: str = "cpu"  # torch device the weights, the cache and every step live on
     attention_backend: str | None = None  # None: the device's default (onboard/engine/attention/)
+    # "exact": every kernel rounds as transformers does (what `adapt` proves); "fast": kernels that
+    # compute the same function with other roundings (MLA decode in the weight-absorbed form).
+    numerics: str = "exact"
     block_size: int = 16  # tokens per KV-cache block
     num_blocks: int = 2048  # KV-cache blocks (all layers share one block table per sequence)
     max_num_seqs: int = 64  # sequences running at once
@@ -16,3 +19,10 @@ class EngineConfig:
     # Reusing cached prefix blocks changes how many rows a prefill runs, and CPU GEMM kernels
     # may then sum in another order: exact-parity checks switch it off.
     enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, not {self.numerics!r}")
+
+
+NUMERICS = ("exact", "fast")

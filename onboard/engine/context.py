@@ -1,6 +1,7 @@
 """The engine's shared per-step vocabulary: what a model's forward gets and gives back."""
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -18,7 +19,10 @@ class StepContext:
     attn: AttentionMetadata
     positions: torch.Tensor  # [T] on the model's device
     aux_layers: tuple[int, ...] = ()
-    tables: dict[str, torch.Tensor] = field(default_factory=dict)
+    numerics: str = "exact"  # EngineConfig.numerics
+    tables: dict[str, Any] = field(default_factory=dict)
+    # When a dict: layers record what a parity check compares (DSA: the selected key positions).
+    trace: dict[int, list] | None = None
 
 
 @dataclass

@@ -375,20 +375,23 @@ class LLMEngine:
         return [Completion(tokens[i], texts[i], reasons[i], logprobs[i]) for i in ids]
 
     @torch.inference_mode()
-    def score(self, token_ids: list[int]) -> torch.Tensor:
-        """float32 logits [T, vocab] at every position of one sequence (teacher forcing)."""
-        return self.runner.model.compute_logits(self.hidden_states(token_ids)[0])
+    def score(self, token_ids: list[int], trace: dict | None = None) -> torch.Tensor:
+        """float32 logits [T, vocab] at every position of one sequence (teacher forcing); `trace`
+        (a dict) receives what layers record for parity checks (DSA: the selected keys)."""
+        return self.runner.model.compute_logits(self.hidden_states(token_ids, trace=trace)[0])
 
     @torch.inference_mode()
-    def hidden_states(self, token_ids: list[int], aux_layers: Seq[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def hidden_states(
+        self, token_ids: list[int], aux_layers: Seq[int] = (), trace: dict | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One sequence teacher-forced: the final normed hidden states [T, H] and the inputs of
         decoder layers `aux_layers` (each [T, H]), as the engine computes them when serving."""
         seq = Sequence(list(token_ids), self.config.block_size)
-        if not self.block_manager.can_allocate(seq):
+        if not self.block_manager.can_allocate(seq, reuse_prefix=False):
             raise ValueError("not enough free KV-cache blocks for this sequence")
         self.block_manager.allocate(seq, reuse_prefix=False)
         try:
-            return self.runner.forward_hidden([ScheduledSeq(seq, len(seq))], tuple(aux_layers))
+            return self.runner.forward_hidden([ScheduledSeq(seq, len(seq))], tuple(aux_layers), trace)
         finally:
             self.block_manager.deallocate(seq)
             seq.status = SequenceStatus.FINISHED

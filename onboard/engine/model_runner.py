@@ -75,13 +75,15 @@ class ModelRunner:
             decoding=decoding,
         )
 
-    def context(self, batch: ForwardBatch, aux_layers: tuple[int, ...] = ()) -> StepContext:
+    def context(self, batch: ForwardBatch, aux_layers: tuple[int, ...] = (), trace: dict | None = None) -> StepContext:
         return StepContext(
             cache=self.cache,
             backend=self.backend,
             attn=self.backend.build_metadata(batch),
             positions=batch.positions.to(self.device, non_blocking=True),
             aux_layers=aux_layers,
+            numerics=self.config.numerics,
+            trace=trace,
         )
 
     @torch.inference_mode()
@@ -94,8 +96,8 @@ class ModelRunner:
         return StepResult(self.model.compute_logits(out.hidden[batch.logits_indices]), aux)
 
     @torch.inference_mode()
-    def forward_hidden(self, scheduled: list[ScheduledSeq], aux_layers: tuple[int, ...] = ()):
+    def forward_hidden(self, scheduled: list[ScheduledSeq], aux_layers: tuple[int, ...] = (), trace=None):
         """Final hidden states `[T, H]` of every computed token and the aux layers' inputs."""
         batch = self.prepare(scheduled)
-        out = self.model.forward(batch, self.context(batch, aux_layers))
+        out = self.model.forward(batch, self.context(batch, aux_layers, trace))
         return out.hidden, out.aux_hidden_states

@@ -130,3 +130,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
     out = x * cos
     out += rotated * sin_signed
     return out
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's interleaved RoPE as transformers' `apply_rotary_pos_emb_interleave` computes it:
+    pairs `(x0, x1), (x2, x3), ...` rotated by one frequency each, written out de-interleaved
+    (`[x_even', x_odd']`), from the same `cat(freqs, freqs)` tables (first half) as `apply_rotary`."""
+    half = cos.shape[-1] // 2
+    cos_h = cos[..., :half]
+    sin_h = -sin_signed[..., :half]  # the table holds -sin in its first half: negation is exact
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos_h - x2 * sin_h, x2 * cos_h + x1 * sin_h], dim=-1)

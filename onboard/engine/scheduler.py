@@ -90,7 +90,7 @@ class Scheduler:
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
             and len(scheduled) < self.config.max_num_seqs
-            and self.block_manager.can_allocate(self.waiting[0])
+            and self.block_manager.can_allocate(self.waiting[0], reuse_prefix=self.config.enable_prefix_caching)
         ):
             seq = self.waiting.popleft()
             self.block_manager.allocate(seq, reuse_prefix=self.config.enable_prefix_caching)

@@ -7,9 +7,9 @@ from typing import Any
 import torch
 from rich.progress import Progress
 
+from onboard.console import console
 from onboard.quantize.groups import LAYER
 from onboard.quantize.replay import LayerReplay, decoder_layers
-from onboard.workspace import console
 
 
 def batch_windows(windows: list[tuple[str, list[int]]], tokens: int) -> torch.Tensor:

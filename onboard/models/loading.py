@@ -7,33 +7,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from onboard.errors import OnboardError
 from onboard.models.checkpoint import Checkpoint, inspect_checkpoint
+from onboard.models.gguf import converted_gguf
 from onboard.models.moe_artifact import is_quantized_moe, load_quantized_moe
+from onboard.models.tokens import fix_special_tokens
 
 
 def resolve_model(path: Path, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> Checkpoint:
     """MODEL as the CLI takes it: a checkpoint directory, or a .gguf file converted once to one."""
     path = Path(path).expanduser()
     if path.suffix.lower() == ".gguf":
-        from onboard.models.gguf import converted_gguf
-
         path = converted_gguf(path)
     return inspect_checkpoint(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
-
-
-def fix_special_tokens(tokenizer: PreTrainedTokenizerBase, model_config) -> PreTrainedTokenizerBase:
-    """Make eos agree with the model's config and give batching a pad token.
-
-    transformers' GGUF tokenizer converter sets eos from the bos id (SmolLM2 comes out with
-    eos = <|im_start|>) while the config keeps the file's eos id, the real end of turn.
-    """
-    eos_id = getattr(model_config, "eos_token_id", None)
-    if isinstance(eos_id, list):
-        eos_id = eos_id[0] if eos_id else None
-    if isinstance(eos_id, int) and eos_id != tokenizer.eos_token_id and eos_id < len(tokenizer):
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
-    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def load_tokenizer(checkpoint: Checkpoint) -> PreTrainedTokenizerBase:

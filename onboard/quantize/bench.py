@@ -10,15 +10,15 @@ import torch
 from rich.table import Table
 
 from onboard import atomic
+from onboard.console import console
 from onboard.evaluate.stage import eval_windows, measure_kl
 from onboard.models import Checkpoint, load_model, load_tokenizer
 from onboard.quantize.auto import Selection
 from onboard.quantize.calibration import calibration_dataset
 from onboard.quantize.compose import Composer
-from onboard.quantize.groups import Group, effective_bits
-from onboard.quantize.recipe import quantized_copy
+from onboard.quantize.groups import ATTENTION_KINDS, Group, effective_bits
+from onboard.quantize.modifiers import quantized_copy
 from onboard.recipes import Recipe
-from onboard.workspace import console
 
 METHODS = (
     "uniform_nvfp4",
@@ -40,7 +40,7 @@ def heuristics(groups: list[Group], base: str) -> dict[str, dict[str, str]]:
         return {g.name: pick(g) or base for g in groups}
 
     return {
-        "heuristic_attn_fp8": rule(lambda g: "fp8" if g.kind in ("qkv", "o_proj") else None),
+        "heuristic_attn_fp8": rule(lambda g: "fp8" if g.kind in ATTENTION_KINDS else None),
         "heuristic_down_fp8": rule(lambda g: "fp8" if g.kind == "down_proj" else None),
         "heuristic_ends_bf16": rule(lambda g: "bf16" if g.layer in (0, 1, last - 1, last) else None),
     }

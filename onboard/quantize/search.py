@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import torch
 from rich.progress import Progress
 
+from onboard.console import console
 from onboard.quantize.compose import Composer
 from onboard.quantize.groups import Group, effective_bits, fits
 from onboard.quantize.knapsack import group_kl
 from onboard.quantize.replay import LayerReplay
-from onboard.workspace import console
 
 MIN_Z = 2.0
 

@@ -4,9 +4,9 @@ import torch
 from rich.progress import Progress
 from scipy.stats import spearmanr
 
+from onboard.console import console
 from onboard.quantize.compose import Composer
 from onboard.quantize.replay import LayerReplay
-from onboard.workspace import console
 
 
 def measured_sensitivity(replay: LayerReplay, composer: Composer, formats: list[str]) -> dict[str, dict[str, float]]:

@@ -7,17 +7,18 @@ from typing import Any
 import torch
 
 from onboard import atomic
+from onboard.console import console
 from onboard.hashing import fingerprint
 from onboard.models import Checkpoint, load_model, load_tokenizer
 from onboard.paths import CALIBRATION_DIR
-from onboard.quantize import recipe
+from onboard.quantize import modifiers
 from onboard.quantize.auto import Selection
 from onboard.quantize.bits import effective_bits, is_quantizable, layer_bits
 from onboard.quantize.calibration import calibration_dataset
-from onboard.quantize.recipe import needs_calibration
+from onboard.quantize.modifiers import needs_calibration
 from onboard.quantize.schemes import LADDERS, SCHEMES
 from onboard.recipes import Quantize
-from onboard.workspace import RunDir, Stage, console
+from onboard.workspace import RunDir, Stage
 
 
 def _dir_bytes(path: Path) -> int:
@@ -55,8 +56,8 @@ def run_quantize(run: RunDir, checkpoint: Checkpoint, settings: Quantize, calib:
         calibrated = None
         if needs_calibration(settings, {scheme, *pinned}):
             calibrated = dataset if dataset is not None else calibration_dataset(tokenizer, settings.calibration, calib)
-        recipe.apply(
-            model, tokenizer, recipe.modifier(settings, scheme, pinned), calibrated, settings.calibration.max_seq_length
+        modifiers.apply(
+            model, tokenizer, modifiers.modifier(settings, scheme, pinned), calibrated, settings.calibration.max_seq_length
         )
         if auto:  # the artifact scored on the search's tokens: equal to the search's best under RTN
             auto["artifact_kld"] = selection.replay.mean_kl()[0]

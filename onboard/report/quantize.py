@@ -12,7 +12,7 @@ from onboard.report.selection import auto_selection, format_colors, pinned_summa
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
 MIXED = "#ef4444"
-LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
+LAYER_MODULE = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")  # decoder layer index, and the module inside it
 
 
 def format_heat_map(layers: dict[str, Any]) -> dict[str, Any] | None:
@@ -23,7 +23,7 @@ def format_heat_map(layers: dict[str, Any]) -> dict[str, Any] | None:
     others: list[tuple[str, str]] = []
     for name, info in layers.items():
         fmt = str(as_dict(info).get("format", "?"))
-        match = LAYER.search(name)
+        match = LAYER_MODULE.search(name)
         if match:
             grid.setdefault((int(match.group(1)), match.group(2).rsplit(".", 1)[-1]), []).append((name, fmt))
         else:

@@ -7,7 +7,6 @@ from onboard.report import svg
 from onboard.report.fmt import is_num, secs
 from onboard.report.load import STAGES, Run, as_dict
 
-STATUS_COLORS = {"done": "#16a34a", "failed": "#dc2626", "running": "#f59e0b"}
 BENCH_PAIRS = (
     ("tokens/s, concurrency 1", "engine_c1_tps", "hf_c1_tps"),
     ("tokens/s, concurrency 16", "engine_c16_tps", "hf_c16_tps"),

@@ -280,9 +280,9 @@ def serve(
 ) -> None:
     """Load the engine (with an EAGLE-3 draft when `speculator` is given) and serve it with
     uvicorn until interrupted."""
-    import uvicorn
-
     from dataclasses import replace
+
+    import uvicorn
 
     from onboard.engine.config import EngineConfig
 

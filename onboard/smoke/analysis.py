@@ -16,7 +16,6 @@ from onboard.smoke.detectors import (
 )
 from onboard.smoke.passes import Output
 
-RATE_KEYS = ("loop_rate", "no_eos_rate", "run_on_rate", "distinct_2", "near_duplicate_rate", "garbage_rate")
 DETECTORS = (
     ("token loops", "loop_rate"),
     ("run-ons (no EOS where the other stopped)", "run_on_rate"),

@@ -17,6 +17,7 @@ import torch
 from rich.table import Table
 
 from onboard import atomic
+from onboard.console import console
 from onboard.data import builtin_records, load_records, render
 from onboard.engine.config import EngineConfig
 from onboard.engine.llm_engine import LLMEngine
@@ -26,7 +27,7 @@ from onboard.recipes import Smoke
 from onboard.smoke.analysis import Prompt, Side, compare, worst_cases
 from onboard.smoke.invariance import check_invariance, check_speculative
 from onboard.smoke.passes import generate, params_for
-from onboard.workspace import RunDir, Stage, console
+from onboard.workspace import RunDir, Stage
 
 MODES = ("greedy", "sampled")
 MAX_PROMPT_TOKENS = 1024

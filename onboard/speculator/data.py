@@ -19,18 +19,20 @@ import torch
 from rich.progress import Progress
 from safetensors.torch import load_file, save_file
 
+from onboard.console import console
 from onboard.data.builtin import builtin_records
 from onboard.data.load import load_records
 from onboard.data.record import Record
 from onboard.data.render import tokenize_records
 from onboard.data.stdlib_code import stdlib_code_records
-from onboard.workspace import console
 
 TRAFFIC = {"chat": ["chat"], "code": ["code"], "math": ["math"], "mixed": ["chat", "code", "math"]}
 
 
 @dataclass
-class Sequence:
+class TrainingSequence:
+    """One draft-training example: a prompt and the target's response (or plain text), as token ids."""
+
     token_ids: list[int]
     num_prompt_tokens: int  # positions before this are context, not trained on
     traffic: str
@@ -65,13 +67,13 @@ def training_prompts(
     return out[:num_prompts]
 
 
-def teacher_forced_code(tokenizer, num_files: int, max_tokens: int) -> list[Sequence]:
+def teacher_forced_code(tokenizer, num_files: int, max_tokens: int) -> list[TrainingSequence]:
     """Standard-library source as plain text, every position trained on."""
     if num_files == 0:
         return []
     records: list[Record] = stdlib_code_records("calib", num_files)
     ids = tokenize_records(records, tokenizer, chat=False, max_length=max_tokens)
-    return [Sequence(t, 1, "code") for t in ids if len(t) > 8]
+    return [TrainingSequence(t, 1, "code") for t in ids if len(t) > 8]
 
 
 def generate_responses(
@@ -80,7 +82,7 @@ def generate_responses(
     max_new_tokens: int,
     responses_per_prompt: int = 1,
     temperature: float = 0.8,
-) -> list[Sequence]:
+) -> list[TrainingSequence]:
     """The target's responses to every prompt, batched by the engine: the greedy one, plus
     `responses_per_prompt - 1` sampled at `temperature` (seeded per prompt and draw).  Sampled
     responses are more of the target's own text for the same prompts: the loss is the target's
@@ -102,11 +104,13 @@ def generate_responses(
             for out in engine.step():
                 tokens[out.request_id] += out.new_token_ids
                 progress.advance(task, int(out.finished))
-    return [Sequence(prompt + tokens[i], len(prompt), kind) for i, (prompt, kind, _) in zip(ids, work, strict=True)]
+    return [
+        TrainingSequence(prompt + tokens[i], len(prompt), kind) for i, (prompt, kind, _) in zip(ids, work, strict=True)
+    ]
 
 
 def capture_shards(
-    engine, sequences: list[Sequence], aux_layers: list[int], out_dir: Path, shard_tokens: int = 16384
+    engine, sequences: list[TrainingSequence], aux_layers: list[int], out_dir: Path, shard_tokens: int = 16384
 ) -> dict:
     """Teacher-force every sequence through the engine; write aux/final states in shards."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -133,9 +133,6 @@ class Eagle3Draft(torch.nn.Module):
             aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks, strict=True)], dim=-1)
         return self.fc(aux)
 
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
     def step(
         self,
         input_ids: torch.Tensor,

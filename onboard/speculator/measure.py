@@ -122,10 +122,10 @@ def run_spec_bench(
     artifact: Path, draft_dir: Path, others: list[Path], data: Path | None, num_prompts: int, max_tokens: int
 ) -> dict[str, Any]:
     """`onboard bench --speculator`: the run's draft (and any `others`) on the same held-out prompts."""
+    from onboard.console import console
     from onboard.engine.config import EngineConfig
     from onboard.engine.llm_engine import LLMEngine
     from onboard.speculator.export import load_speculator, speculative_tokens
-    from onboard.workspace import console
 
     engine = LLMEngine(artifact, EngineConfig(enable_prefix_caching=False))
     records = load_records(data) if data is not None else None

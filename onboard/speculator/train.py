@@ -19,9 +19,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from safetensors.torch import load_file, save_file
 
 from onboard import atomic
+from onboard.console import console
 from onboard.speculator.data import iter_sequences
 from onboard.speculator.draft import Eagle3Draft
-from onboard.workspace import console
 
 
 @dataclass(frozen=True)

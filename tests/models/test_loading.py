@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from onboard.errors import OnboardError
 from onboard.models import inspect_checkpoint, load_model, load_tokenizer, resolve_model
-from onboard.models.loading import fix_special_tokens
+from onboard.models.tokens import fix_special_tokens
 from onboard.quantize.stage import run_quantize
 from onboard.recipes import Calibration, Quantize
 from onboard.workspace import RunDir

@@ -83,7 +83,6 @@ GROUP_KINDS = {  # group kind: (projections, sensitivity in nvfp4 of layer 0)
     "gate_up": (("mlp.gate_proj", "mlp.up_proj"), 0.012),
     "down_proj": (("mlp.down_proj",), 0.035),
 }
-TOP_LAYER = 3  # the layer with the largest per-layer KL alone
 
 
 def group_name(layer: int, kind: str) -> str:

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 from artifacts import quantize_into
 
-from onboard.recipes import Calibration, Quantize, Speculator
+from onboard.recipes import Calibration, Quantize, SpeculatorSettings
 from onboard.speculator.data import iter_sequences
 from onboard.speculator.stage import run_speculator
 from onboard.workspace import RunDir
 
-TINY = Speculator(
+TINY = SpeculatorSettings(
     num_prompts=6,
     max_new_tokens=12,
     max_prompt_tokens=48,

@@ -71,14 +71,15 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
     ) -> torch.Tensor:
         """One sequence: `q` `[q_len, h, d]` against `k`/`v` `[context_len, kvh, d]` -> `[q_len, h, dv]`;
-        `mask` `[q_len, context_len]` bool, None for plain causal over the new tokens."""
+        `mask` `[q_len, context_len]` bool, None for plain causal over the new tokens (a single
+        query then attends to every key: SDPA's `is_causal` aligns to the top left)."""
         out = sdpa(
             q.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0),
             mask,
             scale,
-            mask is None,
+            mask is None and q.shape[0] > 1,
         )
         return out[0].transpose(0, 1)
 

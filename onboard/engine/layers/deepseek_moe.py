@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from onboard.engine.models.llama import LlamaMLP, WeightSource
+from onboard.engine.layers.mlp import LlamaMLP
+from onboard.engine.layers.weight_source import WeightSource
 
 
 def route(

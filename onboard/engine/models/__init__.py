@@ -7,6 +7,7 @@ walks through one (MLA and DSA as the example).
 from typing import Any
 
 from onboard.engine.models.base import DecoderModel
+from onboard.engine.models.deepseek_v3 import DeepseekV3Model
 from onboard.engine.models.llama import LlamaModel
 from onboard.engine.models.qwen3_moe import Qwen3MoeModel
 from onboard.errors import OnboardError
@@ -17,6 +18,9 @@ MODEL_REGISTRY: dict[str, type[DecoderModel]] = {
     "Qwen2ForCausalLM": LlamaModel,
     "Qwen3ForCausalLM": LlamaModel,
     "Qwen3MoeForCausalLM": Qwen3MoeModel,
+    "DeepseekV3ForCausalLM": DeepseekV3Model,
+    "DeepseekV32ForCausalLM": DeepseekV3Model,
+    "GlmMoeDsaForCausalLM": DeepseekV3Model,
 }
 
 GUIDE = "docs/adding-an-architecture.md"
@@ -51,6 +55,7 @@ def engine_model_name(config: Any) -> str:
 __all__ = [
     "MODEL_REGISTRY",
     "DecoderModel",
+    "DeepseekV3Model",
     "LlamaModel",
     "Qwen3MoeModel",
     "UnsupportedArchitecture",
