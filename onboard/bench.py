@@ -66,13 +66,13 @@ def _ttft(engine, prompt: list[int]) -> float:
     return _timed(lambda: engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1)))[1]
 
 
-def run_bench(checkpoint: Checkpoint, data: Path | None) -> dict[str, Any]:
-    from onboard.engine.llm_engine import LLMEngine
+def run_bench(checkpoint: Checkpoint, data: Path | None, device: str = "cpu") -> dict[str, Any]:
+    from onboard.engine import EngineConfig, LLMEngine
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer(checkpoint)
     prompts = _prompts(tokenizer, data, 16)
-    engine = LLMEngine(checkpoint.path)
+    engine = LLMEngine(checkpoint.path, EngineConfig(device=device))
     model = load_model(checkpoint)
     _engine_tps(engine, prompts[:1])  # warm-up both sides
     _hf_tps(model, prompts[:1], tokenizer.pad_token_id)

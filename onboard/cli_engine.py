@@ -5,7 +5,15 @@ from typing import Annotated
 
 import typer
 
-from onboard.cli_options import PickleOpt, existing_data, model_dir_of
+from onboard.cli_options import (
+    DeviceOpt,
+    DtypeOpt,
+    PickleOpt,
+    check_device,
+    existing_data,
+    model_dir_of,
+    torch_dtype,
+)
 from onboard.errors import OnboardError
 
 
@@ -13,17 +21,23 @@ def adapt(
     path: Annotated[Path, typer.Argument(help="a run directory (its artifact) or a checkpoint directory")],
     out: Annotated[Path | None, typer.Option(help="where adapt/parity.json goes (default: the run directory)")] = None,
     allow_pickle: PickleOpt = False,
+    layerwise: Annotated[
+        bool, typer.Option("--layerwise", help="compare one decoder layer at a time (checkpoints larger than memory)")
+    ] = False,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "bf16",
 ) -> None:
     """Map the checkpoint onto the reference engine and prove logit parity with transformers."""
-    from onboard.adapt.stage import engine_model_for, resolve_target, run_adapt
+    from onboard.adapt.stage import engine_model_for, resolve_target, run_adapt, run_layerwise
     from onboard.models import inspect_checkpoint
     from onboard.workspace import RunDir
 
     model_dir, run_dir = resolve_target(path, out)
+    torch_type, device = torch_dtype(dtype), check_device(device)
     checkpoint = inspect_checkpoint(model_dir, allow_pickle=allow_pickle)
     engine_model_for(checkpoint)  # an unsupported architecture fails before RUN_DIR is touched
     with RunDir(run_dir) as run:
-        run_adapt(run, checkpoint)
+        (run_layerwise if layerwise else run_adapt)(run, checkpoint, device, torch_type)
 
 
 def bench(
@@ -38,6 +52,7 @@ def bench(
     ] = None,
     num_prompts: Annotated[int, typer.Option(help="with --speculator: held-out prompts")] = 24,
     max_tokens: Annotated[int, typer.Option(help="with --speculator: tokens generated per prompt")] = 96,
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Engine against transformers.generate: tokens/s at concurrency 1 and 16, prefix-cache TTFT;
     with --speculator, the speculator's acceptance and speed-up in the engine instead."""
@@ -47,6 +62,7 @@ def bench(
 
     model_dir = model_dir_of(path)
     checkpoint = inspect_checkpoint(model_dir)
+    device = check_device(device)
     if speculator:
         from onboard.speculator.measure import run_spec_bench
 
@@ -56,11 +72,13 @@ def bench(
         for other in compare or []:
             if not (other / "config.json").is_file():
                 raise OnboardError(f"--compare {other}: not a speculator export (no config.json)")
-        result = run_spec_bench(model_dir, draft_dir, compare or [], existing_data(data), num_prompts, max_tokens)
+        result = run_spec_bench(
+            model_dir, draft_dir, compare or [], existing_data(data), num_prompts, max_tokens, device
+        )
     else:
         from onboard.bench import bench_table, run_bench
 
-        result = run_bench(checkpoint, existing_data(data))
+        result = run_bench(checkpoint, existing_data(data), device)
         console.print(bench_table(result))
     if out:
         atomic.write_json(out, result)
@@ -73,7 +91,7 @@ def serve(
     api_key: Annotated[str | None, typer.Option(help="require `Authorization: Bearer KEY` (not on /health)")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="the model id (default: the directory name)")] = None,
     max_model_len: Annotated[int | None, typer.Option(help="prompt + completion tokens (default: 4096)")] = None,
-    device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
+    device: DeviceOpt = "cpu",
     speculator: Annotated[
         Path | None, typer.Option(help="an EAGLE-3 export (e.g. RUN_DIR/artifact/speculator): speculative decoding")
     ] = None,
@@ -90,6 +108,7 @@ def serve(
         raise OnboardError(f"{model_dir} has no config.json: not a checkpoint (or a run without an artifact)")
     if speculator is not None and not (speculator / "config.json").is_file():
         raise OnboardError(f"--speculator {speculator}: not a speculator export (no config.json)")
+    device = check_device(device)
     config = EngineConfig(max_model_len=max_model_len) if max_model_len else EngineConfig()
     name = served_model_name or path.resolve().name
     run_server(

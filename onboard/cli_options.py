@@ -21,6 +21,9 @@ SamplesOpt = Annotated[int | None, typer.Option(help="calibration samples (defau
 SeqLenOpt = Annotated[int | None, typer.Option(help="calibration sequence length (default: the recipe's)")]
 DataOpt = Annotated[Path | None, typer.Option(help="held-out DATA (default: the project's eval split)")]
 JunitOpt = Annotated[Path | None, typer.Option(help="also write the gate's checks as JUnit XML here")]
+DeviceOpt = Annotated[str, typer.Option(help="torch device the engine runs on (cpu, cuda, cuda:1, ...)")]
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+DtypeOpt = Annotated[str, typer.Option(help="bf16 | fp32: the dtype both sides compute in (fp32: plain checkpoints)")]
 MaxTokOpt = Annotated[int | None, typer.Option(help="held-out tokens to score (default: the recipe's)")]
 
 
@@ -50,3 +53,31 @@ def recipe_with_overrides(checkpoint, recipe_path: Path | None, overrides: dict[
 def model_dir_of(path: Path) -> Path:
     """A run directory's artifact, or the checkpoint directory itself."""
     return path / "artifact" if (path / "manifest.json").is_file() else path
+
+
+def torch_dtype(name: str):
+    """`--dtype` as a torch dtype, or a one-line refusal."""
+    import torch
+
+    from onboard.errors import OnboardError
+
+    if name not in DTYPES:
+        raise OnboardError(f"--dtype must be one of {', '.join(DTYPES)}, not {name!r}")
+    return getattr(torch, DTYPES[name])
+
+
+def check_device(device: str) -> str:
+    """`--device` parsed by torch and present on this machine, or a one-line refusal."""
+    import torch
+
+    from onboard.errors import OnboardError
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as err:
+        raise OnboardError(f"--device {device!r}: {str(err).splitlines()[0]}") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise OnboardError(f"--device {device}: no CUDA device on this machine")
+    if parsed.type not in ("cpu", "cuda"):
+        raise OnboardError(f"--device {device}: the engine runs on cpu or cuda")
+    return device

@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from onboard.cli_options import DataOpt, JunitOpt, existing_data
+from onboard.cli_options import DataOpt, DeviceOpt, JunitOpt, check_device, existing_data
 from onboard.errors import OnboardError
 
 RunDirArg = Annotated[Path, typer.Argument(help="a run directory")]
@@ -24,6 +24,7 @@ def smoke(
     data: DataOpt = None,
     num_prompts: Annotated[int | None, typer.Option(help="prompts (default: the recipe's)")] = None,
     max_tokens: Annotated[int | None, typer.Option(help="tokens generated per prompt (default: the recipe's)")] = None,
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Token loops, run-ons, mode and entropy collapse, garbage and batch invariance: the artifact
     (with its speculator) against the unquantized reference on the same prompts."""
@@ -36,10 +37,10 @@ def smoke(
         run.recipe(),
         {"--num-prompts": ("smoke.num_prompts", num_prompts), "--max-tokens": ("smoke.max_tokens", max_tokens)},
     )
-    data = existing_data(data)
+    data, device = existing_data(data), check_device(device)
     with run:
         run.require("quantize")
-        run_smoke(run, recipe.smoke, data)
+        run_smoke(run, recipe.smoke, data, device)
 
 
 def report(run_dir: RunDirArg) -> None:

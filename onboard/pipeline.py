@@ -56,8 +56,9 @@ def run_pipeline(
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
     junit: Path | None = None,
+    device: str = "cpu",
 ) -> int:
-    """Run `stages` of STAGES in order; the gate's exit code when it ran, else 0."""
+    """Run `stages` of STAGES in order (engines on `device`); the gate's exit code when it ran, else 0."""
     from onboard.cli_options import existing_data, recipe_with_overrides
     from onboard.models import resolve_model
     from onboard.workspace import RunDir
@@ -82,17 +83,17 @@ def run_pipeline(
         if "speculator" in stages:
             from onboard.speculator.stage import run_speculator
 
-            run_speculator(run, resolved.speculator, None)
+            run_speculator(run, resolved.speculator, None, device=device)
         if "adapt" in stages:
             from onboard.adapt.stage import run_adapt
             from onboard.models import inspect_checkpoint
 
             run.require("quantize")
-            run_adapt(run, inspect_checkpoint(run.artifact))
+            run_adapt(run, inspect_checkpoint(run.artifact), device)
         if "smoke" in stages:
             from onboard.smoke.stage import run_smoke
 
-            run_smoke(run, resolved.smoke, data)
+            run_smoke(run, resolved.smoke, data, device)
         return finish(run.root, "report" in stages, "gate" in stages, junit)
 
 

@@ -26,16 +26,16 @@ def engine_model_for(checkpoint: Checkpoint) -> str:
     """The engine class serving this architecture, or a one-line refusal."""
     from transformers import AutoConfig
 
-    from onboard.engine.models import UnsupportedArchitecture, model_class
+    from onboard.engine import UnsupportedArchitecture, engine_model_name
 
     try:
-        return model_class(AutoConfig.from_pretrained(checkpoint.path)).__name__
+        return engine_model_name(AutoConfig.from_pretrained(checkpoint.path))
     except UnsupportedArchitecture as err:
         raise OnboardError(str(err)) from err
 
 
-def parity_prompts(tokenizer) -> list[list[int]]:
-    records = builtin_records("eval")[:NUM_PROMPTS]
+def parity_prompts(tokenizer, num_prompts: int = NUM_PROMPTS) -> list[list[int]]:
+    records = builtin_records("eval")[:num_prompts]
     return tokenize_records(records, tokenizer, chat=True, max_length=192)
 
 
@@ -59,19 +59,35 @@ def _reference_greedy(model, prompt: list[int], eos_ids: set[int], pad_id: int) 
     return tokens, top
 
 
-def measure_parity(checkpoint: Checkpoint) -> dict[str, Any]:
-    from onboard.engine.config import EngineConfig
-    from onboard.engine.llm_engine import LLMEngine
-    from onboard.engine.sampler import SamplingParams
+def _engine(checkpoint: Checkpoint, dtype: torch.dtype, device: str, numerics: str = "exact"):
+    from onboard.engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(device=device, numerics=numerics, enable_prefix_caching=False)
+    return LLMEngine(checkpoint.path, config, dtype=dtype)
+
+
+def _is_mla(engine) -> bool:
+    return any(t.name == "latent" for t in engine.kv_layout.tensors)
+
+
+def measure_parity(
+    checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", num_prompts: int = NUM_PROMPTS
+) -> dict[str, Any]:
+    """Exact numerics against transformers: teacher-forced logits, greedy continuations and, for
+    DSA models, the indexer's selected keys at every position.  MLA models also run the fast
+    numerics (weight-absorbed decode) against the same continuations (`fast`)."""
+    from onboard.adapt.dsa import compare_selections
+    from onboard.engine import SamplingParams
 
     tokenizer = load_tokenizer(checkpoint)
-    prompts = parity_prompts(tokenizer)
-    engine = LLMEngine(checkpoint.path, EngineConfig(enable_prefix_caching=False))
-    reference = load_model(checkpoint)
+    prompts = parity_prompts(tokenizer, num_prompts)
+    engine = _engine(checkpoint, dtype, device)
+    fast = _engine(checkpoint, dtype, device, "fast") if _is_mla(engine) else None
+    reference = load_model(checkpoint, dtype)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=TOP)
     stats = KLStats()
     max_diff = 0.0
-    cases = []
+    cases, fast_cases, index_sets = [], [], []
     with Progress(console=console) as progress:
         task = progress.add_task("parity", total=len(prompts))
         for prompt in prompts:
@@ -79,12 +95,17 @@ def measure_parity(checkpoint: Checkpoint) -> dict[str, Any]:
             # question (smoke's batch-invariance check), not architecture parity.
             (mine,) = engine.generate([prompt], greedy)
             theirs, their_top = _reference_greedy(reference, prompt, engine.eos_ids, tokenizer.pad_token_id)
-            my_top = [[entry["top"][k][0] for k in range(len(entry["top"]))] for entry in mine.logprobs]
-            verdict = compare_greedy(mine.token_ids, theirs, my_top, their_top)
+            verdict = compare_greedy(mine.token_ids, theirs, _top_ids(mine), their_top)
             forced = prompt + theirs
+            trace: dict = {}
             with torch.inference_mode():
                 ref_logits = reference(torch.tensor([forced])).logits[0].float()
-            max_diff = max(max_diff, compare_logits(engine.score(forced), ref_logits, stats))
+            max_diff = max(max_diff, compare_logits(engine.score(forced, trace=trace), ref_logits, stats))
+            if trace:
+                index_sets.append(compare_selections(reference, forced, trace))
+            if fast is not None:
+                (quick,) = fast.generate([prompt], greedy)
+                fast_cases.append(compare_greedy(quick.token_ids, theirs, _top_ids(quick), their_top))
             cases.append(
                 {
                     "prompt_tokens": len(prompt),
@@ -97,7 +118,7 @@ def measure_parity(checkpoint: Checkpoint) -> dict[str, Any]:
             )
             progress.advance(task)
     summary = stats.summary()
-    return {
+    result = {
         "max_abs_logit_diff": max_diff,
         "mean_kld": summary["mean_kld"],
         "top1_agreement": summary["top1_agreement"],
@@ -106,9 +127,29 @@ def measure_parity(checkpoint: Checkpoint) -> dict[str, Any]:
         "num_prompts": len(cases),
         "max_new_tokens": MAX_NEW_TOKENS,
         "num_tokens": summary["num_tokens"],
+        "dtype": str(dtype).removeprefix("torch."),
+        "numerics": "exact",
         "engine_model": engine_model_for(checkpoint),
+        "kv_bytes_per_token": engine.kv_layout.bytes_per_token(),
         "cases": cases,
     }
+    if index_sets:
+        result["index_sets"] = {
+            "positions": sum(s["positions"] for s in index_sets),
+            "equal": sum(s["equal"] for s in index_sets),
+            "equal_rate": sum(s["equal"] for s in index_sets) / max(1, sum(s["positions"] for s in index_sets)),
+        }
+    if fast_cases:
+        result["fast"] = {
+            "numerics": "fast",
+            "greedy_match_rate": sum(c.matched for c in fast_cases) / len(fast_cases),
+            "logprobs_close": all(c.near_tie for c in fast_cases),
+        }
+    return result
+
+
+def _top_ids(completion) -> list[list[int]]:
+    return [[entry["top"][k][0] for k in range(len(entry["top"]))] for entry in completion.logprobs]
 
 
 def parity_table(result: dict[str, Any]) -> Table:
@@ -120,21 +161,68 @@ def parity_table(result: dict[str, Any]) -> Table:
     table.add_row("same top token", f"{100 * result['top1_agreement']:.2f} %")
     table.add_row(f"identical {result['max_new_tokens']}-token greedy", f"{100 * result['greedy_match_rate']:.1f} %")
     table.add_row("divergences only at near-ties", str(result["logprobs_close"]))
+    if "index_sets" in result:
+        sets = result["index_sets"]
+        table.add_row("DSA: same selected keys", f"{sets['equal']}/{sets['positions']} positions")
+    if "fast" in result:
+        fast = result["fast"]
+        table.add_row("fast numerics: identical greedy", f"{100 * fast['greedy_match_rate']:.1f} %")
+        table.add_row("fast numerics: near-ties only", str(fast["logprobs_close"]))
     return table
 
 
-def run_adapt(run: RunDir, checkpoint: Checkpoint) -> dict[str, Any]:
+def run_adapt(
+    run: RunDir, checkpoint: Checkpoint, device: str = "cpu", dtype: torch.dtype = torch.bfloat16
+) -> dict[str, Any]:
     console.print(f"{', '.join(checkpoint.architectures)} -> engine model {engine_model_for(checkpoint)}")
 
     def body(stage: Stage) -> dict[str, Any]:
         torch.manual_seed(0)
-        result = measure_parity(checkpoint)
+        result = measure_parity(checkpoint, dtype, device)
         atomic.write_json(stage.path("adapt/parity.json"), result)
         return {k: v for k, v in result.items() if k != "cases"}
 
-    entry = run.run_stage("adapt", {"model": fingerprint(checkpoint.path)}, outputs=["adapt"], body=body)
+    inputs = {"model": fingerprint(checkpoint.path), "dtype": str(dtype), "device": device}
+    entry = run.run_stage("adapt", inputs, outputs=["adapt/parity.json"], body=body)
     console.print(parity_table(entry["metrics"]))
     return entry
+
+
+def run_layerwise(
+    run: RunDir, checkpoint: Checkpoint, device: str = "cpu", dtype: torch.dtype = torch.bfloat16
+) -> dict[str, Any]:
+    """`adapt --layerwise`: decoder layers compared one at a time (adapt/layerwise.json)."""
+    from onboard.adapt.layerwise import measure_layerwise
+
+    console.print(
+        f"{', '.join(checkpoint.architectures)} -> engine model {engine_model_for(checkpoint)}, layer by layer"
+    )
+    prompts = parity_prompts(load_tokenizer(checkpoint))
+
+    def body(stage: Stage) -> dict[str, Any]:
+        result = measure_layerwise(checkpoint.path, prompts, dtype, device)
+        atomic.write_json(stage.path("adapt/layerwise.json"), result)
+        return {k: result[k] for k in ("passed", "max_abs_diff", "first_failing_layer", "num_tokens")}
+
+    inputs = {"model": fingerprint(checkpoint.path), "dtype": str(dtype), "device": device}
+    entry = run.run_stage("adapt_layerwise", inputs, outputs=["adapt/layerwise.json"], body=body)
+    console.print(layerwise_table(entry["metrics"], run.root / "adapt" / "layerwise.json"))
+    return entry
+
+
+def layerwise_table(metrics: dict[str, Any], path: Path) -> Table:
+    import json
+
+    table = Table(title="engine against transformers, one decoder layer at a time", title_justify="left")
+    for column in ("layer", "max |Δ|", "relative", "passed"):
+        table.add_column(column, justify="left" if column == "layer" else "right")
+    result = json.loads(path.read_text())
+    for entry in [*result["layers"], result["head"]]:
+        passed = "yes" if entry["passed"] else "[red]NO[/red]"
+        table.add_row(entry["layer"], f"{entry['max_abs_diff']:.3g}", f"{entry['relative_diff']:.3g}", passed)
+    if metrics["first_failing_layer"]:
+        table.caption = f"first failing: {metrics['first_failing_layer']}"
+    return table
 
 
 def resolve_target(path: Path, out: Path | None) -> tuple[Path, Path]:

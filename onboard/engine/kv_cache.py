@@ -85,7 +85,9 @@ class KVCache:
         for name, value in values.items():
             self._flat[name][layer].index_copy_(0, slot_mapping, value)
 
-    def gather(self, name: str, layer: int, blocks: torch.Tensor | list[int], length: int | None = None) -> torch.Tensor:
+    def gather(
+        self, name: str, layer: int, blocks: torch.Tensor | list[int], length: int | None = None
+    ) -> torch.Tensor:
         """The tokens held by `blocks` (in order) as `[len(blocks) * block_size, *shape]`, cut to `length`."""
         if isinstance(blocks, list):
             blocks = torch.tensor(blocks, dtype=torch.long, device=self.device)

@@ -69,18 +69,20 @@ def _side(engine: LLMEngine, prompts: list[Prompt], config: Smoke, label: str) -
     return by_mode, tps
 
 
-def _engine(path: Path) -> LLMEngine:
-    return LLMEngine(path, EngineConfig(num_blocks=_NUM_BLOCKS))
+def _engine(path: Path, device: str) -> LLMEngine:
+    return LLMEngine(path, EngineConfig(device=device, num_blocks=_NUM_BLOCKS))
 
 
-def measure_smoke(artifact: Path, reference: Path, config: Smoke, data: Path | None) -> dict[str, Any]:
-    engine = _engine(reference)
+def measure_smoke(
+    artifact: Path, reference: Path, config: Smoke, data: Path | None, device: str = "cpu"
+) -> dict[str, Any]:
+    engine = _engine(reference, device)
     prompts = smoke_prompts(engine.tokenizer, config, data)
     reference_outputs, reference_tps = _side(engine, prompts, config, "reference")
     del engine
     gc.collect()
 
-    engine = _engine(artifact)
+    engine = _engine(artifact, device)
     invariance = check_invariance(engine, [p.token_ids for p in prompts], config)
     baseline = invariance.pop("baseline")
     artifact_outputs, artifact_tps = _side(engine, prompts, config, "artifact")
@@ -121,13 +123,13 @@ def smoke_table(result: dict[str, Any]) -> Table:
     return table
 
 
-def run_smoke(run: RunDir, config: Smoke, data: Path | None) -> dict[str, Any]:
+def run_smoke(run: RunDir, config: Smoke, data: Path | None, device: str = "cpu") -> dict[str, Any]:
     quantize = run.require("quantize")
     reference = Path(quantize["inputs"]["model_path"])
 
     def body(stage: Stage) -> dict[str, Any]:
         torch.manual_seed(config.seed)
-        result = measure_smoke(run.artifact, reference, config, data)
+        result = measure_smoke(run.artifact, reference, config, data, device)
         throughput = result.pop("throughput")  # timings vary run to run: the manifest, not smoke.json
         atomic.write_json(stage.path("smoke/smoke.json"), result)
         keys = ("loop_rate", "reference_loop_rate", "no_eos_rate", "distinct_2", "entropy_ratio", "batch_invariant")

@@ -119,7 +119,13 @@ def acceptance_table(metrics: dict[str, Any], title: str = "speculator") -> Tabl
 
 
 def run_spec_bench(
-    artifact: Path, draft_dir: Path, others: list[Path], data: Path | None, num_prompts: int, max_tokens: int
+    artifact: Path,
+    draft_dir: Path,
+    others: list[Path],
+    data: Path | None,
+    num_prompts: int,
+    max_tokens: int,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """`onboard bench --speculator`: the run's draft (and any `others`) on the same held-out prompts."""
     from onboard.console import console
@@ -127,7 +133,7 @@ def run_spec_bench(
     from onboard.engine.llm_engine import LLMEngine
     from onboard.speculator.export import load_speculator, speculative_tokens
 
-    engine = LLMEngine(artifact, EngineConfig(enable_prefix_caching=False))
+    engine = LLMEngine(artifact, EngineConfig(device=device, enable_prefix_caching=False))
     records = load_records(data) if data is not None else None
     prompts = held_out_prompts(engine.tokenizer, ["chat", "code", "math"], records, num_prompts)
     results = {}

@@ -46,7 +46,11 @@ def build_draft(engine, vocab: torch.Tensor, aux_layers: list[int]) -> Eagle3Dra
 
 
 def run_speculator(
-    run: RunDir, settings: SpeculatorSettings, data: Path | None, states_from: Path | None = None
+    run: RunDir,
+    settings: SpeculatorSettings,
+    data: Path | None,
+    states_from: Path | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """`states_from`: another checkpoint (e.g. the BF16 original) whose responses and hidden states
     the draft is trained on instead of the artifact's; it is still measured on the artifact."""
@@ -79,7 +83,7 @@ def run_speculator(
 
     def body(stage) -> dict[str, Any]:
         torch.manual_seed(0)
-        engine = LLMEngine(run.artifact, EngineConfig(enable_prefix_caching=False))
+        engine = LLMEngine(run.artifact, EngineConfig(device=device, enable_prefix_caching=False))
         tokenizer = engine.tokenizer
         layers = engine.hf_config.get_text_config().num_hidden_layers
         aux_layers = settings.aux_layers or default_aux_layers(layers)
@@ -94,7 +98,8 @@ def run_speculator(
             prompts = training_prompts(
                 tokenizer, settings.traffic, train_records, settings.num_prompts, settings.max_prompt_tokens
             )
-            source = LLMEngine(states_from, EngineConfig(enable_prefix_caching=False)) if states_from else engine
+            config = EngineConfig(device=device, enable_prefix_caching=False)
+            source = LLMEngine(states_from, config) if states_from else engine
             sequences = generate_responses(
                 source,
                 prompts,

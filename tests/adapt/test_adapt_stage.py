@@ -137,11 +137,35 @@ def test_unsupported_architecture_is_one_error_line(gpt2_checkpoint: Path, tmp_p
     assert "GPT2LMHeadModel" in line
     for arch in supported_architectures():
         assert arch in line
-    assert "onboard/engine/models/" in line  # where an adapter goes
+    assert "docs/adding-an-architecture.md" in line  # how to add an adapter
     assert not (tmp_path / "run" / "adapt").exists()
 
 
 def test_unsupported_architecture_leaves_no_run_directory(gpt2_checkpoint: Path, tmp_path: Path, cli) -> None:
     code, _, _ = cli("adapt", str(gpt2_checkpoint), "--out", str(tmp_path / "run"))
     assert code == 2
+    assert not (tmp_path / "run").exists()
+
+
+def test_layerwise_writes_its_own_report_next_to_parity(tiny_glm_moe_dsa: Path, tmp_path: Path, cli) -> None:
+    run = tmp_path / "run"
+    code, _, err = cli("adapt", str(tiny_glm_moe_dsa), "--out", str(run), "--layerwise", "--dtype", "fp32")
+    assert code == 0, err
+    result = json.loads((run / "adapt" / "layerwise.json").read_text())
+    assert result["passed"] and [e["layer"] for e in result["layers"]] == [f"model.layers.{i}" for i in range(3)]
+    manifest = json.loads((run / MANIFEST).read_text())
+    assert manifest["stages"]["adapt_layerwise"]["metrics"]["first_failing_layer"] is None
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [("--dtype", "fp16", "--dtype must be one of"), ("--device", "cuda", "--device cuda"), ("--device", "tpu", "tpu")],
+)
+def test_bad_dtype_or_device_is_one_error_line(
+    tiny_llama: Path, tmp_path: Path, cli, flag: str, value: str, message: str
+) -> None:
+    code, out, err = cli("adapt", str(tiny_llama), "--out", str(tmp_path / "run"), flag, value)
+    assert code == 2 and "Traceback" not in out + err
+    (line,) = error_lines(err)
+    assert message in line
     assert not (tmp_path / "run").exists()

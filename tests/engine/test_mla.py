@@ -27,7 +27,9 @@ def make_engine(path: Path, dtype: torch.dtype, **overrides) -> LLMEngine:
 
 def prompts(n: int, lengths=(40, 57, 23, 70), seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, tiny_models.VOCAB_SIZE, (lengths[i % len(lengths)],), generator=gen).tolist() for i in range(n)]
+    return [
+        torch.randint(3, tiny_models.VOCAB_SIZE, (lengths[i % len(lengths)],), generator=gen).tolist() for i in range(n)
+    ]
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -117,7 +119,9 @@ def test_kv_layout_is_the_latent_not_expanded_kv(tiny_deepseek_v3: Path, tiny_gl
     assert latent.name == "latent" and latent.shape == (1, tiny_models.KV_LORA_RANK + tiny_models.QK_ROPE_HEAD_DIM)
     layers = tiny_models.DEEPSEEK_LAYERS
     assert engine.kv_layout.bytes_per_token() == layers * (tiny_models.KV_LORA_RANK + tiny_models.QK_ROPE_HEAD_DIM) * 2
-    expanded = layers * tiny_models.NUM_ATTENTION_HEADS * (2 * tiny_models.QK_NOPE_HEAD_DIM + tiny_models.V_HEAD_DIM) * 2
+    expanded = (
+        layers * tiny_models.NUM_ATTENTION_HEADS * (2 * tiny_models.QK_NOPE_HEAD_DIM + tiny_models.V_HEAD_DIM) * 2
+    )
     assert engine.kv_layout.bytes_per_token() < expanded
     glm = make_engine(tiny_glm_moe_dsa, torch.bfloat16)
     index = next(t for t in glm.kv_layout.tensors if t.name == "index_k")

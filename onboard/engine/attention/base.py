@@ -24,7 +24,9 @@ from onboard.engine.kv_cache import KVCache
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float, is_causal: bool) -> torch.Tensor:
     """SDPA over `[B, h, q, d]` queries and `[B, kvh, L, d]` keys; GQA without repeating K/V."""
     if q.shape[1] != k.shape[1]:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal, enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal, enable_gqa=True
+        )
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal)
 
 
@@ -110,7 +112,9 @@ class AttentionBackend(ABC):
                 k_i, v_i = k_new[seq.start : seq.end], v_new[seq.start : seq.end]
             else:
                 k_i, v_i = self.context(cache, "k", layer, seq), self.context(cache, "v", layer, seq)
-            outputs.append((seq, self.prefill(q[seq.start : seq.end], k_i, v_i, meta.prefill_mask_for(i, window), scale)))
+            outputs.append(
+                (seq, self.prefill(q[seq.start : seq.end], k_i, v_i, meta.prefill_mask_for(i, window), scale))
+            )
         return merge_rows(q.new_empty(meta.num_tokens, *q.shape[1:]), meta, outputs, decode_out)
 
 

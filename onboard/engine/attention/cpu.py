@@ -26,7 +26,11 @@ class CpuBackend(AttentionBackend):
         if window is not None:
             return padded_decode(q, layer, cache, meta, scale, keys, values, value_dim, window, selected)
         key_rows = cache.gather(keys, layer, meta.decode_blocks).transpose(0, 1)  # [kvh, tokens, d]
-        value_rows = key_rows[..., :value_dim] if values is None else cache.gather(values, layer, meta.decode_blocks).transpose(0, 1)
+        value_rows = (
+            key_rows[..., :value_dim]
+            if values is None
+            else cache.gather(values, layer, meta.decode_blocks).transpose(0, 1)
+        )
         num_heads, head_dim = q.shape[1], q.shape[2]
         outs = []
         for i, (start, length) in enumerate(zip(meta.decode_token_offsets, meta.decode_context_lens, strict=True)):

@@ -37,7 +37,11 @@ def padded_decode(
     else:
         flat = tables.view(-1)
         k = source.index_select(0, flat).view(shape)[:, : meta.decode_len]
-        v = None if values is None else cache.blocks(values, layer).index_select(0, flat).view(shape)[:, : meta.decode_len]
+        v = (
+            None
+            if values is None
+            else cache.blocks(values, layer).index_select(0, flat).view(shape)[:, : meta.decode_len]
+        )
     if v is None:
         v = k[..., :value_dim]
     mask = meta.decode_mask_for(window)

@@ -85,7 +85,7 @@ class Indexer(torch.nn.Module):
         decode = None
         if meta.decode_rows is not None and any(length > self.topk for length in meta.decode_context_lens):
             rows = meta.decode_rows
-            q_dec, w_dec = (q[rows], w[rows]) if isinstance(rows, slice) else (q[rows], w[rows])
+            q_dec, w_dec = q[rows], w[rows]
             keys = ctx.cache.gather("index_k", self.layer_idx, meta.decode_blocks)
             decode = []
             for i, (start, length) in enumerate(zip(meta.decode_token_offsets, meta.decode_context_lens, strict=True)):
@@ -99,7 +99,11 @@ class Indexer(torch.nn.Module):
             if seq.context_len <= self.topk:
                 prefill.append(None)
                 continue
-            keys = k[seq.start : seq.end] if seq.block_table is None else ctx.backend.context(ctx.cache, "index_k", self.layer_idx, seq)
+            keys = (
+                k[seq.start : seq.end]
+                if seq.block_table is None
+                else ctx.backend.context(ctx.cache, "index_k", self.layer_idx, seq)
+            )
             mask = meta.prefill_mask_for(i, None)
             if mask is None:
                 mask = torch.ones(seq.query_len, seq.context_len, dtype=torch.bool, device=x.device).tril()

@@ -42,15 +42,17 @@ class DecoderLayer(torch.nn.Module):
 
 
 class DecoderModel(torch.nn.Module):
-    def __init__(self, config: Any, weights: WeightSource):
+    """`layer_ids=()` builds the model without decoder layers: embeddings, final norm and head only,
+    the layers then built one at a time with `make_layer` (layerwise parity)."""
+
+    def __init__(self, config: Any, weights: WeightSource, layer_ids: tuple[int, ...] | None = None):
         super().__init__()
         self.config = config
         self.embed_tokens = weights.tensor("model.embed_tokens.weight")
         self.dtype = self.embed_tokens.dtype
         self.device = self.embed_tokens.device
-        self.layers = torch.nn.ModuleList(
-            self.make_layer(config, weights, f"model.layers.{i}", i) for i in range(config.num_hidden_layers)
-        )
+        ids = range(config.num_hidden_layers) if layer_ids is None else layer_ids
+        self.layers = torch.nn.ModuleList(self.make_layer(config, weights, f"model.layers.{i}", i) for i in ids)
         self.norm = RMSNorm(weights.tensor("model.norm.weight"), config.rms_norm_eps)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head = EngineLinear(self.embed_tokens)

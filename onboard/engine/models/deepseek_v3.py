@@ -53,13 +53,15 @@ def mtp_layer_names(names: list[str], num_hidden_layers: int) -> list[str]:
 
 
 class DeepseekV3Model(DecoderModel):
-    def __init__(self, config: Any, weights: WeightSource):
+    def __init__(self, config: Any, weights: WeightSource, layer_ids: tuple[int, ...] | None = None):
         names = weights.names() if hasattr(weights, "names") else []
         mtp = mtp_layer_names(names, config.num_hidden_layers)
         if mtp:
-            console.print(f"skipping {len(mtp)} multi-token-prediction tensors (model.layers.{config.num_hidden_layers}.*)")
+            console.print(
+                f"skipping {len(mtp)} multi-token-prediction tensors (model.layers.{config.num_hidden_layers}.*)"
+            )
         self.quantized = getattr(weights, "quantization_config", None) is not None
-        super().__init__(config, weights)
+        super().__init__(config, weights, layer_ids)
         self.rotary = RotaryEmbedding(config, self.dtype, self.device)
 
     def make_layer(self, config: Any, weights: WeightSource, prefix: str, layer_idx: int) -> torch.nn.Module:
@@ -68,9 +70,7 @@ class DeepseekV3Model(DecoderModel):
             interleaved = config.model_type in _MODEL_TYPES_WITH_INTERLEAVED_INDEXER
             indexer = Indexer(config, weights, f"{prefix}.self_attn.indexer", layer_idx, interleaved)
         shares = is_dsa_layer(config, layer_idx) and indexer is None
-        attn = MLAttention(
-            config, weights, f"{prefix}.self_attn", layer_idx, _mla_interleaved(config), indexer, shares
-        )
+        attn = MLAttention(config, weights, f"{prefix}.self_attn", layer_idx, _mla_interleaved(config), indexer, shares)
         if _is_sparse_mlp(config, layer_idx):
             mlp = DeepseekMoE(config, weights, f"{prefix}.mlp", "eager" if self.quantized else None)
         else:

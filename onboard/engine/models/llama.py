@@ -21,8 +21,8 @@ from onboard.engine.rope import RotaryEmbedding
 
 
 class LlamaModel(DecoderModel):
-    def __init__(self, config: Any, weights: WeightSource):
-        super().__init__(config, weights)
+    def __init__(self, config: Any, weights: WeightSource, layer_ids: tuple[int, ...] | None = None):
+        super().__init__(config, weights, layer_ids)
         self.rotary = RotaryEmbedding(config, self.dtype, self.device)
 
     def make_layer(self, config: Any, weights: WeightSource, prefix: str, layer_idx: int) -> torch.nn.Module:

@@ -1,0 +1,92 @@
+"""`onboard adapt` on the MLA / DSA / DeepSeek-MoE families, whole-model and layer by layer."""
+
+from pathlib import Path
+
+import pytest
+import tiny_models
+import torch
+
+from onboard.adapt.layerwise import measure_layerwise
+from onboard.adapt.stage import measure_parity, parity_prompts
+from onboard.engine.models.deepseek_v3 import DeepseekV3Model
+from onboard.models import inspect_checkpoint, load_tokenizer
+
+MLA_FIXTURES = [f"tiny_{arch}" for arch in tiny_models.MLA_ARCHS]
+PROMPTS = 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", MLA_FIXTURES)
+def test_whole_model_parity(arch: str, dtype: torch.dtype, request) -> None:
+    result = measure_parity(inspect_checkpoint(request.getfixturevalue(arch)), dtype, num_prompts=PROMPTS)
+    assert result["engine_model"] == "DeepseekV3Model" and result["numerics"] == "exact"
+    assert result["max_abs_logit_diff"] <= 1e-4  # exact numerics: the prefill is transformers' own
+    assert result["top1_agreement"] == 1.0
+    assert result["greedy_match_rate"] == 1.0 and result["logprobs_close"]
+    assert result["kv_bytes_per_token"] > 0
+    if arch != "tiny_deepseek_v3":
+        sets = result["index_sets"]
+        assert sets["positions"] > 0 and sets["equal_rate"] == 1.0
+    else:
+        assert "index_sets" not in result
+    fast = result["fast"]  # the weight-absorbed decode against the same reference continuations
+    if dtype == torch.float32:
+        assert fast["greedy_match_rate"] == 1.0
+
+
+def test_plain_families_report_no_fast_block(tiny_llama: Path) -> None:
+    result = measure_parity(inspect_checkpoint(tiny_llama), torch.float32, num_prompts=2)
+    assert "fast" not in result and "index_sets" not in result
+    assert result["greedy_match_rate"] == 1.0
+
+
+def _prompts(path: Path) -> list[list[int]]:
+    return parity_prompts(load_tokenizer(inspect_checkpoint(path)), 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3_moe", *MLA_FIXTURES])
+def test_layerwise_parity_agrees_with_whole_model(arch: str, dtype: torch.dtype, request) -> None:
+    path = request.getfixturevalue(arch)
+    layerwise = measure_layerwise(path, _prompts(path), dtype)
+    config_layers = len(layerwise["layers"])
+    assert config_layers == (tiny_models.DEEPSEEK_LAYERS if "deepseek" in arch or "glm" in arch else 2)
+    assert layerwise["passed"] and layerwise["first_failing_layer"] is None
+    whole = measure_parity(inspect_checkpoint(path), dtype, num_prompts=2)
+    # Both proofs agree: whole-model logits match exactly where every layer does.
+    assert whole["max_abs_logit_diff"] <= 1e-4 and layerwise["max_abs_diff"] <= 1e-4
+
+
+def test_a_wrong_layer_is_caught_and_named(tiny_deepseek_v32: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Break one engine layer (its o_proj output scaled by 1.05): layerwise names exactly that
+    layer, and whole-model parity fails too."""
+    original = DeepseekV3Model.make_layer
+
+    def broken(self, config, weights, prefix, layer_idx):
+        layer = original(self, config, weights, prefix, layer_idx)
+        if layer_idx == 1:
+            forward = layer.self_attn.o_proj.forward
+            layer.self_attn.o_proj.forward = lambda x: forward(x) * 1.05
+        return layer
+
+    monkeypatch.setattr(DeepseekV3Model, "make_layer", broken)
+    layerwise = measure_layerwise(tiny_deepseek_v32, _prompts(tiny_deepseek_v32), torch.float32)
+    assert not layerwise["passed"]
+    assert layerwise["first_failing_layer"] == "model.layers.1"
+    assert [e["passed"] for e in layerwise["layers"]] == [True, False, True]
+    whole = measure_parity(inspect_checkpoint(tiny_deepseek_v32), torch.float32, num_prompts=2)
+    assert whole["max_abs_logit_diff"] > 1e-2
+
+
+def test_layerwise_refuses_quantized_checkpoints(tmp_path: Path, tiny_llama: Path) -> None:
+    import json
+    import shutil
+
+    from onboard.errors import OnboardError
+
+    path = Path(shutil.copytree(tiny_llama, tmp_path / "q"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {}}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(OnboardError, match="plain checkpoints"):
+        measure_layerwise(path, [[1, 2, 3]], torch.float32)
