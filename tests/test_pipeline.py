@@ -76,3 +76,19 @@ def test_demo_profiles_are_valid_recipe_overrides(profile: str) -> None:
         for part in key.split("."):
             node = node[part]
         assert node == value, key
+
+
+@pytest.mark.slow
+def test_every_stage_on_a_dsa_model(tiny_deepseek_v32: Path, tmp_path: Path) -> None:
+    """MLA + DSA + DeepSeek MoE through quantize, eval, speculator, adapt, smoke, report and gate."""
+    out = tmp_path / "run"
+    code = run_pipeline(tiny_deepseek_v32, out, list(STAGES), None, overrides())
+    gate = json.loads((out / "gate.json").read_text())
+    assert gate["complete"] and code == (0 if gate["passed"] else 1)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert all(manifest["stages"][s]["status"] == "done" for s in ("quantize", "eval", "speculator", "adapt", "smoke"))
+    parity = json.loads((out / "adapt" / "parity.json").read_text())
+    assert parity["engine_model"] == "DeepseekV3Model" and parity["index_sets"]["equal_rate"] > 0.9
+    assert (out / "artifact" / "speculator" / "config.json").is_file()
+    checks = {c["name"]: c for c in gate["checks"]}
+    assert checks["parity_top1_agreement"]["passed"] and checks["batch_invariant"]["passed"]

@@ -23,7 +23,14 @@ def write_recipe(tmp_path: Path, data: object, name: str = "recipe.yaml") -> Pat
 def test_recipes_are_shipped() -> None:
     assert SHIPPED, f"no recipes in {RECIPES_DIR}"
     assert all(path.suffix == ".yaml" and path.parent == RECIPES_DIR for path in SHIPPED)
-    assert {path.name for path in SHIPPED} >= {"llama.yaml", "qwen3.yaml", "qwen3_moe.yaml"}
+    assert {path.name for path in SHIPPED} >= {
+        "llama.yaml",
+        "qwen3.yaml",
+        "qwen3_moe.yaml",
+        "deepseek_v3.yaml",
+        "deepseek_v32.yaml",
+        "glm_moe_dsa.yaml",
+    }
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
@@ -99,6 +106,44 @@ def test_qwen3_moe_recipe_keeps_routers_in_high_precision() -> None:
         "model.layers.0.self_attn.q_proj",
     ):
         assert not matches(quantized, ignore), quantized
+
+
+@pytest.mark.parametrize(
+    ("architecture", "name", "dsa"),
+    [
+        ("DeepseekV3ForCausalLM", "deepseek_v3.yaml", False),
+        ("DeepseekV32ForCausalLM", "deepseek_v32.yaml", True),
+        ("GlmMoeDsaForCausalLM", "glm_moe_dsa.yaml", True),
+    ],
+)
+def test_deepseek_family_recipes_keep_routers_indexer_and_mla_down_projections(
+    architecture: str, name: str, dsa: bool
+) -> None:
+    recipe, path = recipe_for([architecture])
+    assert path is not None and path.name == name
+    assert recipe.quantize.scheme == "nvfp4"
+    ignore = recipe.quantize.ignore
+    kept = ["lm_head", "model.layers.1.mlp.gate", "model.layers.60.mlp.gate"]
+    kept += [f"model.layers.{i}.self_attn.{p}" for i in (0, 7) for p in ("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj")]
+    if dsa:
+        kept += [f"model.layers.3.self_attn.indexer.{p}" for p in ("wq_b", "wk", "weights_proj")]
+    for module in kept:
+        assert matches(module, ignore), module
+    for quantized in (
+        "model.layers.0.mlp.gate_proj",  # the dense first layers
+        "model.layers.0.mlp.down_proj",
+        "model.layers.3.mlp.experts.17.gate_proj",
+        "model.layers.3.mlp.experts.255.down_proj",
+        "model.layers.3.mlp.shared_experts.gate_proj",
+        "model.layers.3.mlp.shared_experts.down_proj",
+        "model.layers.3.self_attn.q_b_proj",
+        "model.layers.3.self_attn.q_proj",  # without q_lora_rank
+        "model.layers.3.self_attn.o_proj",
+    ):
+        assert not matches(quantized, ignore), quantized
+    # The first line says how to run it; the comments cite what the decisions rest on.
+    text = path.read_text()
+    assert "llm-compressor" in text and "nats" in text
 
 
 def test_partial_recipe_keeps_other_defaults(tmp_path: Path) -> None:

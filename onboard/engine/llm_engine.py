@@ -275,14 +275,8 @@ class LLMEngine:
             if room <= 0:
                 continue
             proposal = spec.propose(seq, room, request.params, request.generator, request.grammar)
-            seq.token_ids.extend(proposal.tokens)
-            if not proposal.tokens or not self.block_manager.can_append(seq):
-                del seq.token_ids[len(seq) - len(proposal.tokens) :]
-                continue
-            self.block_manager.may_append(seq)
-            item.num_new_tokens += len(proposal.tokens)
-            item.num_proposals = len(proposal.tokens)
-            proposals[seq.seq_id] = proposal
+            if self.scheduler.reserve_lookahead(item, proposal.tokens):
+                proposals[seq.seq_id] = proposal
 
         starts = [item.seq.num_computed_tokens for item in scheduled]
         result = self.runner.run(scheduled, aux_layers=spec.aux_layers)
@@ -349,8 +343,7 @@ class LLMEngine:
             if out.finished:
                 break
         if not seq.is_finished:
-            self.block_manager.mark_computed(seq, seq.num_computed_tokens)
-            self.block_manager.truncate(seq)
+            self.scheduler.release_rejected(seq)
         return merged
 
     # -- offline use --------------------------------------------------------------------------

@@ -106,6 +106,24 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def reserve_lookahead(self, item: ScheduledSeq, proposals: list[int]) -> bool:
+        """Append draft proposals to a scheduled decoding sequence and reserve their cache slots,
+        so that this step verifies them; False, with nothing changed, when the cache cannot."""
+        seq = item.seq
+        seq.token_ids.extend(proposals)
+        if not proposals or not self.block_manager.can_append(seq):
+            del seq.token_ids[len(seq) - len(proposals) :]
+            return False
+        self.block_manager.may_append(seq)
+        item.num_new_tokens += len(proposals)
+        item.num_proposals = len(proposals)
+        return True
+
+    def release_rejected(self, seq: Sequence) -> None:
+        """After verification: register the verified tokens' blocks, free the rejected ones' slots."""
+        self.block_manager.mark_computed(seq, seq.num_computed_tokens)
+        self.block_manager.truncate(seq)
+
     def postprocess(self, scheduled: list[ScheduledSeq], sampled: dict[int, int]) -> None:
         """Record a step's work: computed tokens, prefix-cache registration, sampled tokens (seq_id -> token)."""
         for item in scheduled:

@@ -61,9 +61,15 @@ def layer_bits(checkpoint: Path) -> dict[str, dict]:
     return layers
 
 
+# The DSA indexer (DeepSeek-V3.2, GLM-5) joins the routers: its top-k selection is discrete, and
+# vLLM builds its fused wk/weights_proj without a quantization method (BF16 whatever the checkpoint).
+_NOT_QUANTIZABLE = [*NEVER_QUANTIZE, "re:.*\\.indexer\\..*"]
+
+
 def is_quantizable(module: str) -> bool:
-    """Weights a recipe may put in low precision: every matrix but embeddings, heads, routers."""
-    return "embed" not in module and not matches(module, NEVER_QUANTIZE)
+    """Weights a recipe may put in low precision: every matrix but embeddings, heads, routers and
+    the DSA indexer."""
+    return "embed" not in module and not matches(module, _NOT_QUANTIZABLE)
 
 
 def effective_bits(layers: dict[str, dict], only_quantizable: bool = True) -> float:

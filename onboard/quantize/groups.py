@@ -3,6 +3,16 @@
 vLLM runs q/k/v as one QKVParallelLinear and gate/up as one MergedColumnParallelLinear (one
 kernel, one format, shared global scales), and all experts of a MoE layer as one fused kernel;
 a selection that split them could not be served.
+
+DeepSeek-style models (vllm/model_executor/models/deepseek_v2.py, read at vllm-project/vllm
+002d6073): with q_lora_rank set, DeepseekV2MLAAttention runs q_a_proj and kv_a_proj_with_mqa as
+one `fused_qkv_a_proj` (a MergedColumnParallelLinear), so they are one group; without it (the
+V2-Lite form) q_proj and kv_a_proj_with_mqa are separate linears and separate groups.
+q_b_proj, kv_b_proj and o_proj are each their own linear. Shared experts are a DeepseekV2MLP:
+gate/up merged, down alone, so they split like a dense MLP (apart from the routed experts,
+which the fused MoE kernel runs). The DSA indexer fuses wk with weights_proj (`wk_weights_proj`,
+built with quant_config=None, always BF16) beside wq_b; recipes keep it all in BF16, and
+should one quantize it, its linears form one group so that no selection splits them.
 """
 
 import re
@@ -13,8 +23,18 @@ import torch
 from onboard.quantize.schemes import SCHEMES
 
 LAYER = re.compile(r"\.layers\.(\d+)\.")
-_FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+# Sibling Linear modules an engine runs as one kernel, by the kind of the fused module. A module
+# joins its set only when a sibling of the set is there too (deepseek_v3 without q_lora_rank has
+# q_proj and kv_a_proj_with_mqa but no k_proj or q_a_proj: each stays alone).
+_FUSED = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "gate_up": ("gate_proj", "up_proj"),
+    "qkv_a": ("q_a_proj", "kv_a_proj_with_mqa"),
+}
 _EXPERTS = re.compile(r"^(.*\.experts)\.\d+\.")
+_INDEXER = re.compile(r"^(.*\.indexer)\.[^.]+$")
+# Group kinds that are attention projections (standard and MLA), for rules such as "attention in FP8".
+ATTENTION_KINDS = ("qkv", "o_proj", "qkv_a", "q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 @dataclass(frozen=True)
@@ -35,14 +55,19 @@ class Group:
         return sum(SCHEMES[fmt].stored_bits(o, i) for o, i in self.shapes)
 
 
-def _key(name: str) -> tuple[str, str, str]:
-    """(group name, kind, swap unit) of one quantized Linear module."""
+def _key(name: str, linears: set[str]) -> tuple[str, str, str]:
+    """(group name, kind, swap unit) of one quantized Linear module; `linears` names every Linear
+    of the model, quantized or not, to tell which fused siblings exist."""
     experts = _EXPERTS.match(name)
     if experts:
         return experts.group(1), "experts", experts.group(1)
+    indexer = _INDEXER.match(name)
+    if indexer:
+        return indexer.group(1), "indexer", name
     parent, _, leaf = name.rpartition(".")
-    if leaf in _FUSED:
-        return f"{parent}.{_FUSED[leaf]}", _FUSED[leaf], name
+    for kind, members in _FUSED.items():
+        if leaf in members and any(f"{parent}.{m}" in linears for m in members if m != leaf):
+            return f"{parent}.{kind}", kind, name
     return name, leaf, name
 
 
@@ -51,7 +76,7 @@ def _pattern(kind: str, name: str, modules: list[str]) -> str:
         return f"re:^{re.escape(name)}\\.\\d+\\..*"
     if len(modules) == 1:
         return f"re:^{re.escape(modules[0])}$"
-    parent = re.escape(name.rpartition(".")[0])
+    parent = re.escape(modules[0].rpartition(".")[0])
     leaves = "|".join(re.escape(m.rpartition(".")[2]) for m in modules)
     return f"re:^{parent}\\.({leaves})$"
 
@@ -61,10 +86,11 @@ def decision_groups(quantized: torch.nn.Module) -> list[Group]:
     module order. Reading the quantized model, not the original, names MoE experts the way
     llmcompressor unfuses them."""
     found: dict[str, dict] = {}
+    linears = {name for name, module in quantized.named_modules() if isinstance(module, torch.nn.Linear)}
     for name, module in quantized.named_modules():
         if getattr(module, "quantization_scheme", None) is None or not isinstance(module, torch.nn.Linear):
             continue
-        group, kind, unit = _key(name)
+        group, kind, unit = _key(name, linears)
         entry = found.setdefault(group, {"kind": kind, "units": [], "modules": [], "shapes": []})
         if unit not in entry["units"]:
             entry["units"].append(unit)

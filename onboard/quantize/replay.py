@@ -72,19 +72,35 @@ class LayerReplay:
     @torch.inference_mode()
     def run(self, start: int = 0, hidden: torch.Tensor | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Layers `start`.. from `hidden` (the recorded input of layer `start`); returns the inputs
-        of layers start.. (earlier entries None) and the final hidden states [n * T, d]."""
+        of layers start.. (earlier entries None) and the final hidden states [n * T, d].
+
+        Where decoder layers return a tuple (GLM-5's DSA layers return (hidden, top-k indices), and
+        the model hands the indices to the next layer, which a "shared" indexer layer reuses), a
+        layer's recorded input is the previous layer's whole output: what a stand-in must return.
+        """
         inputs: list[torch.Tensor | None] = [None] * len(self.layers)
 
         def record(index: int):
             def hook(module, args, kwargs):
-                inputs[index] = args[0] if args else kwargs["hidden_states"]
+                if inputs[index] is None:
+                    inputs[index] = args[0] if args else kwargs["hidden_states"]
 
             return hook
 
+        def record_output(index: int):
+            def hook(module, args, output):
+                if isinstance(output, tuple):
+                    inputs[index + 1] = output
+
+            return hook
+
+        if start:
+            inputs[start] = hidden
         handles = [
             self.layers[i].register_forward_pre_hook(record(i), with_kwargs=True)
             for i in range(start, len(self.layers))
         ]
+        handles += [self.layers[i].register_forward_hook(record_output(i)) for i in range(start, len(self.layers) - 1)]
         try:
             with self._replaying(start, hidden):
                 last = self.model.base_model(input_ids=self.input_ids).last_hidden_state

@@ -57,7 +57,11 @@ def run_quantize(run: RunDir, checkpoint: Checkpoint, settings: Quantize, calib:
         if needs_calibration(settings, {scheme, *pinned}):
             calibrated = dataset if dataset is not None else calibration_dataset(tokenizer, settings.calibration, calib)
         modifiers.apply(
-            model, tokenizer, modifiers.modifier(settings, scheme, pinned), calibrated, settings.calibration.max_seq_length
+            model,
+            tokenizer,
+            modifiers.modifier(settings, scheme, pinned),
+            calibrated,
+            settings.calibration.max_seq_length,
         )
         if auto:  # the artifact scored on the search's tokens: equal to the search's best under RTN
             auto["artifact_kld"] = selection.replay.mean_kl()[0]

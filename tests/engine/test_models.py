@@ -16,8 +16,8 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from onboard.engine.batch import ForwardBatch
 from onboard.engine.attention import AttentionMetadata, attention_backend
+from onboard.engine.batch import ForwardBatch
 from onboard.engine.context import StepContext
 from onboard.engine.kv_cache import KVCache, KVLayout
 from onboard.engine.linear import EngineLinear

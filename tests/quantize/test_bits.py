@@ -96,10 +96,14 @@ def test_quantizable_excludes_embeddings_head_and_routers() -> None:
     assert not is_quantizable("model.layers.3.mlp.gate")
     assert not is_quantizable("model.layers.3.mlp.shared_expert_gate")
     assert not is_quantizable("model.vision_tower.layers.0.mlp.fc1")
+    for indexer in ("wq_b", "wk", "weights_proj"):  # DSA (DeepSeek-V3.2, GLM-5): discrete top-k
+        assert not is_quantizable(f"model.layers.2.self_attn.indexer.{indexer}")
     for name in (
         "model.layers.0.self_attn.q_proj",
         "model.layers.3.mlp.gate_proj",
         "model.layers.0.mlp.experts.1.up_proj",
+        "model.layers.1.self_attn.kv_a_proj_with_mqa",
+        "model.layers.1.mlp.shared_experts.down_proj",
     ):
         assert is_quantizable(name), name
 

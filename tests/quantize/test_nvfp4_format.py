@@ -10,7 +10,7 @@ from artifacts import quantize_into, stored_tensors
 from transformers import AutoModelForCausalLM
 
 from onboard.models import inspect_checkpoint, load_model, load_tokenizer
-from onboard.quantize import recipe
+from onboard.quantize import modifiers
 from onboard.quantize.calibration import calibration_dataset
 from onboard.recipes import Calibration, Quantize
 
@@ -94,7 +94,7 @@ def test_mixed_checkpoint_reloads_with_the_in_memory_logits(artifacts, tiny_llam
     settings = Quantize(formats=PINS, calibration=CALIB)
     model = load_model(checkpoint)
     dataset = calibration_dataset(tokenizer, CALIB, None)
-    recipe.apply(model, tokenizer, recipe.modifier(settings, "nvfp4", PINS), dataset, CALIB.max_seq_length)
+    modifiers.apply(model, tokenizer, modifiers.modifier(settings, "nvfp4", PINS), dataset, CALIB.max_seq_length)
     reloaded = AutoModelForCausalLM.from_pretrained(artifacts["mixed"], dtype=torch.bfloat16).eval()
     ids = torch.tensor([dataset["input_ids"][0]])
     with torch.no_grad():

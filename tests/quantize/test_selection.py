@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+import tiny_models
 import torch
 from artifacts import stored_tensors
 
@@ -15,12 +16,13 @@ from onboard.quantize.auto import Selection, search_windows
 from onboard.quantize.bits import effective_bits as stored_effective_bits
 from onboard.quantize.bits import layer_bits
 from onboard.quantize.calibration import calibration_dataset
+from onboard.quantize.compose import Composer
 from onboard.quantize.groups import Group, decision_groups, effective_bits, fits
 from onboard.quantize.knapsack import additive_selection, capacity_bits, predicted_kl
 from onboard.quantize.replay import LayerReplay
 from onboard.quantize.schemes import LADDERS, SCHEMES
 from onboard.quantize.stage import run_quantize
-from onboard.recipes import Calibration, Quantize, Search
+from onboard.recipes import NEVER_QUANTIZE, Calibration, Quantize, Search, recipe_for
 from onboard.workspace import RunDir
 
 CALIB = Calibration(num_samples=4, max_seq_length=64)
@@ -66,7 +68,7 @@ def test_dense_groups_follow_the_fused_kernels(selection: Selection) -> None:
 
 
 def test_moe_experts_form_one_group_per_layer(tiny_qwen3_moe: Path) -> None:
-    from onboard.quantize.recipe import quantized_copy
+    from onboard.quantize.modifiers import quantized_copy
 
     checkpoint = inspect_checkpoint(tiny_qwen3_moe)
     model = load_model(checkpoint)
@@ -76,6 +78,118 @@ def test_moe_experts_form_one_group_per_layer(tiny_qwen3_moe: Path) -> None:
     assert experts.kind == "experts" and experts.units == ("model.layers.0.mlp.experts",)
     assert len(experts.modules) == 3 * 4  # gate, up, down of 4 experts
     assert not any(g.rpartition(".")[0][-8:] == "mlp.gate" for g in groups)  # the router is never a group
+
+
+def _mla_groups(checkpoint_dir: Path, settings: Quantize, fmt: str = "fp8") -> tuple[dict[str, Group], torch.nn.Module]:
+    from onboard.quantize.modifiers import quantized_copy
+
+    checkpoint = inspect_checkpoint(checkpoint_dir)
+    quantized = quantized_copy(load_model(checkpoint), load_tokenizer(checkpoint), settings, fmt, None)
+    return {g.name: g for g in decision_groups(quantized)}, quantized
+
+
+def _modules(group: Group) -> list[str]:
+    return sorted(m.rpartition(".")[2] for m in group.modules)
+
+
+def test_deepseek_v32_groups_follow_vllm_fused_kernels(tiny_deepseek_v32: Path) -> None:
+    """Every Linear but the routers quantized (no recipe): the groups vLLM's DeepseekV2MLAAttention,
+    DeepseekV2MLP and fused MoE impose. q_a_proj and kv_a_proj_with_mqa are one fused_qkv_a_proj."""
+    from onboard.quantize.patterns import matches
+
+    groups, quantized = _mla_groups(tiny_deepseek_v32, Quantize(ignore=NEVER_QUANTIZE), "nvfp4a16")
+    layers = range(tiny_models.DEEPSEEK_LAYERS)
+    expected = {}
+    for layer in layers:
+        attn = f"model.layers.{layer}.self_attn"
+        expected |= {
+            f"{attn}.qkv_a": ("qkv_a", ["kv_a_proj_with_mqa", "q_a_proj"]),
+            f"{attn}.q_b_proj": ("q_b_proj", ["q_b_proj"]),
+            f"{attn}.kv_b_proj": ("kv_b_proj", ["kv_b_proj"]),
+            f"{attn}.o_proj": ("o_proj", ["o_proj"]),
+            f"{attn}.indexer": ("indexer", ["weights_proj", "wk", "wq_b"]),
+        }
+        mlp = f"model.layers.{layer}.mlp"
+        if layer == 0:  # first_k_dense_replace = 1
+            expected |= {
+                f"{mlp}.gate_up": ("gate_up", ["gate_proj", "up_proj"]),
+                f"{mlp}.down_proj": ("down_proj", ["down_proj"]),
+            }
+        else:
+            expected |= {
+                f"{mlp}.experts": (
+                    "experts",
+                    sorted(["gate_proj", "up_proj", "down_proj"] * tiny_models.NUM_ROUTED_EXPERTS),
+                ),
+                f"{mlp}.shared_experts.gate_up": ("gate_up", ["gate_proj", "up_proj"]),
+                f"{mlp}.shared_experts.down_proj": ("down_proj", ["down_proj"]),
+            }
+    assert {name: (g.kind, _modules(g)) for name, g in groups.items()} == expected
+    assert all(g.layer == int(g.name.split(".")[2]) for g in groups.values())
+    every = [m for g in groups.values() for m in g.modules]
+    for group in groups.values():
+        assert [m for m in every if matches(m, [group.pattern])] == list(group.modules), group.name
+    assert not any(matches(f"model.layers.{i}.mlp.gate", [g.pattern for g in groups.values()]) for i in layers)
+    # llmcompressor shares one NVFP4 global scale across a fused group, as vLLM's merged linear needs.
+    for layer in layers:
+        attn = quantized.get_submodule(f"model.layers.{layer}.self_attn")
+        assert torch.equal(attn.q_a_proj.weight_global_scale, attn.kv_a_proj_with_mqa.weight_global_scale)
+        if layer:
+            shared = quantized.get_submodule(f"model.layers.{layer}.mlp.shared_experts")
+            assert torch.equal(shared.gate_proj.weight_global_scale, shared.up_proj.weight_global_scale)
+
+
+def test_deepseek_v32_recipe_groups(tiny_deepseek_v32: Path) -> None:
+    """With the shipped recipe the BF16 modules (routers, indexer, MLA down-projections, kv_b_proj)
+    are no groups: `auto` chooses formats for q_b_proj, o_proj, the MLPs and the experts only."""
+    recipe, _ = recipe_for(["DeepseekV32ForCausalLM"])
+    groups, _ = _mla_groups(tiny_deepseek_v32, recipe.quantize)
+    kinds = {(g.layer, g.kind) for g in groups.values()}
+    assert kinds == {(0, "q_b_proj"), (0, "o_proj"), (0, "gate_up"), (0, "down_proj")} | {
+        (layer, kind)
+        for layer in range(1, tiny_models.DEEPSEEK_LAYERS)
+        for kind in ("q_b_proj", "o_proj", "experts", "gate_up", "down_proj")
+    }
+    assert "model.layers.1.mlp.shared_experts.gate_up" in groups
+
+
+def test_deepseek_v3_without_q_lora_has_no_fused_projection(tiny_deepseek_v3: Path) -> None:
+    """Without q_lora_rank vLLM runs q_proj and kv_a_proj_with_mqa as separate linears."""
+    groups, _ = _mla_groups(tiny_deepseek_v3, Quantize(ignore=NEVER_QUANTIZE))
+    attn = {g.kind: _modules(g) for g in groups.values() if g.layer == 1 and ".self_attn." in g.name + "."}
+    assert attn == {
+        "q_proj": ["q_proj"],
+        "kv_a_proj_with_mqa": ["kv_a_proj_with_mqa"],
+        "kv_b_proj": ["kv_b_proj"],
+        "o_proj": ["o_proj"],
+    }
+
+
+def test_layer_replay_of_glm_shared_indexer_layers(tiny_glm_moe_dsa: Path) -> None:
+    """GLM-5's decoder layers return (hidden, top-k indices) and a "shared" layer reuses the
+    previous layer's selection: replaying from any layer, from the reference's or a candidate's
+    recorded inputs, must equal the plain forward."""
+    from onboard.quantize.modifiers import quantized_copy
+
+    checkpoint = inspect_checkpoint(tiny_glm_moe_dsa)
+    tokenizer = load_tokenizer(checkpoint)
+    model = load_model(checkpoint)
+    replay = LayerReplay(model, search_windows(calibration_dataset(tokenizer, CALIB, None), 128))
+    assert isinstance(replay.reference_inputs[1], tuple)  # (hidden, top-k indices of layer 0)
+    for start in range(1, len(replay.layers)):
+        assert replay.mean_kl(start, replay.reference_inputs[start])[0] < 1e-6
+    # A candidate with layer 0 quantized (its indexer too): replaying layer 2 from the candidate's
+    # recorded input gives the candidate's own logits.
+    source = quantized_copy(model, tokenizer, Quantize(ignore=NEVER_QUANTIZE), "fp8", None)
+    composer = Composer(model, {"fp8": source}, decision_groups(source))
+    composer.apply({g.name: "fp8" for g in composer.groups if g.layer == 0})
+    try:
+        full, inputs = replay.mean_kl()
+        assert full > 0.01
+        assert replay.mean_kl(2, inputs[2])[0] == pytest.approx(full, rel=1e-9)
+        assert replay.mean_kl(2, replay.reference_inputs[2])[0] < 1e-6  # layers 2.. are the reference's
+    finally:
+        composer.reset()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,3 +428,22 @@ def test_auto_over_nvfp4a16_picks_weight_only_formats(tmp_path: Path, tiny_llama
     assert selection["artifact_kld"] == pytest.approx(selection["final"]["measured_kld"], rel=1e-9)
     config = json.loads((tmp_path / "artifact/config.json").read_text())["quantization_config"]
     assert all(not group["input_activations"] for group in config["config_groups"].values())  # weights only
+
+
+@pytest.mark.slow
+def test_auto_on_glm_moe_dsa_with_its_recipe(tmp_path: Path, tiny_glm_moe_dsa: Path) -> None:
+    """`scheme: auto` end to end on GLM-5's shared-indexer layers: the artifact llmcompressor
+    builds from the pinned selection scores what the search measured, group by group formats."""
+    recipe, _ = recipe_for(["GlmMoeDsaForCausalLM"])
+    settings = recipe.quantize.model_copy(
+        update={"scheme": "auto", "bits_budget": 5.5, "calibration": CALIB, "search": Search(tokens=128, steps=3)}
+    )
+    with RunDir(tmp_path) as run:
+        run_quantize(run, inspect_checkpoint(tiny_glm_moe_dsa), settings, None)
+    selection = json.loads((tmp_path / "quantize/selection.json").read_text())
+    assert selection["artifact_kld"] == pytest.approx(selection["final"]["measured_kld"], rel=1e-9)
+    assert {g["kind"] for g in selection["groups"]} == {"q_b_proj", "o_proj", "gate_up", "down_proj", "experts"}
+    formats = {name: entry["format"] for name, entry in layer_bits(tmp_path / "artifact").items()}
+    for group in selection["groups"]:
+        assert {formats[m] for m in group["modules"]} == {group["format"]}, group["name"]
+    assert fits(effective_bits_of(selection), 5.5)  # over the groups: the recipe's BF16 modules are none

@@ -1,4 +1,4 @@
-"""The llmcompressor recipe of a quantize run (one modifier) and its oneshot application."""
+"""The llmcompressor modifier of a quantize run and its oneshot application (the YAML schema is onboard.recipes)."""
 
 import copy
 

@@ -1,0 +1,158 @@
+"""The DeepSeek-style families (DeepSeek-V3, DeepSeek-V3.2, GLM-5) through the quantize stage with
+their shipped recipes: an NVFP4, NVFP4A16, FP8 and a mixed artifact each, what they store, and that
+they load back through onboard's loader as exactly the model llmcompressor quantized in memory."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from artifacts import stored_tensors
+
+from onboard.models import inspect_checkpoint, load_model, load_tokenizer
+from onboard.quantize import modifiers
+from onboard.quantize.bits import layer_bits
+from onboard.quantize.schemes import SCHEMES
+from onboard.quantize.stage import run_quantize
+from onboard.recipes import Calibration, Quantize, recipe_for
+from onboard.workspace import RunDir
+
+ARCHITECTURES = {
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+}
+FORMATS = ("nvfp4", "nvfp4a16", "fp8", "mixed")
+# Mixed: the attention projections the recipe quantizes (q_proj / q_b_proj, o_proj) in FP8, the
+# MLPs and experts in NVFP4. The recipe's BF16 modules stay BF16: ignore wins over a pin.
+MIXED = {"fp8": ["re:.*self_attn\\..*"]}
+CONFIG_FORMAT = {
+    "nvfp4": "nvfp4-pack-quantized",
+    "nvfp4a16": "nvfp4-pack-quantized",
+    "fp8": "float-quantized",
+    "mixed": "mixed-precision",
+}
+CALIB = Calibration(num_samples=2, max_seq_length=64)
+TEXT = (
+    "The weather today is cloudy with a chance of rain. def fibonacci(n): return n if n < 2 "
+    "else fibonacci(n - 1) + fibonacci(n - 2). The capital of France is Paris."
+)
+BF16_ATTENTION = ("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # the recipes' MLA decisions
+CASES = [(arch, fmt) for arch in ARCHITECTURES for fmt in FORMATS]
+
+
+@dataclass(frozen=True)
+class Built:
+    root: Path
+    entry: dict[str, Any]
+    source: Path
+    ids: torch.Tensor
+    in_memory: torch.Tensor  # logits of the model the stage quantized, before it was saved
+
+    @property
+    def artifact(self) -> Path:
+        return self.root / "artifact"
+
+
+def settings_for(arch: str, fmt: str) -> Quantize:
+    recipe, path = recipe_for([ARCHITECTURES[arch]])
+    assert path is not None and path.name == f"{arch}.yaml"
+    data = {**recipe.quantize.model_dump(), "calibration": CALIB.model_dump()}
+    data.update(scheme="nvfp4", formats=MIXED) if fmt == "mixed" else data.update(scheme=fmt)
+    return Quantize.model_validate(data)
+
+
+@torch.no_grad()
+def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids).logits[0].float()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
+    """One quantize-stage run per (family, format) in this module. The stage's own oneshot call
+    is wrapped to keep the logits of the model it quantized: the in-memory reference."""
+    done: dict[tuple[str, str], Built] = {}
+
+    def build(arch: str, fmt: str) -> Built:
+        if (arch, fmt) not in done:
+            source = request.getfixturevalue(f"tiny_{arch}")
+            ids = torch.tensor([load_tokenizer(inspect_checkpoint(source))(TEXT)["input_ids"]])
+            kept: dict[str, torch.Tensor] = {}
+            apply = modifiers.apply
+
+            def apply_and_keep(model, *args, **kwargs) -> None:
+                apply(model, *args, **kwargs)
+                kept["logits"] = logits_of(model, ids)
+
+            root = tmp_path_factory.mktemp(f"{arch}_{fmt}")
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(modifiers, "apply", apply_and_keep)
+                with RunDir(root) as run:
+                    entry = run_quantize(run, inspect_checkpoint(source), settings_for(arch, fmt), None)
+            assert entry["status"] == "done"
+            done[(arch, fmt)] = Built(root, entry, source, ids, kept["logits"])
+        return done[(arch, fmt)]
+
+    return build
+
+
+@pytest.mark.parametrize(("arch", "fmt"), CASES)
+def test_round_trip_is_the_in_memory_model(built, arch: str, fmt: str) -> None:
+    """transformers 5.17 alone fuses the experts back into 3-D tensors and drops their NVFP4
+    global scales; onboard's loader rebuilds the linearized modules llmcompressor quantized."""
+    done = built(arch, fmt)
+    reloaded = load_model(inspect_checkpoint(done.artifact))
+    got = logits_of(reloaded, done.ids)
+    assert torch.equal(got, done.in_memory)
+    original = logits_of(load_model(inspect_checkpoint(done.source)), done.ids)
+    assert (got - original).abs().max() > 0.1  # it was quantized
+
+
+def _expected(module: str, fmt: str) -> str:
+    leaf = module.rpartition(".")[2]
+    if module.endswith("mlp.gate") or ".indexer." in module or leaf in BF16_ATTENTION:
+        return "bf16"
+    if fmt == "mixed":
+        return "fp8" if ".self_attn." in module else "nvfp4"
+    return fmt
+
+
+@pytest.mark.parametrize(("arch", "fmt"), CASES)
+def test_artifact_keeps_the_recipe_formats(built, arch: str, fmt: str) -> None:
+    done = built(arch, fmt)
+    reference = stored_tensors(done.source)
+    stored = stored_tensors(done.artifact)
+    layers = layer_bits(done.artifact)
+    selection = json.loads((done.root / "quantize/selection.json").read_text())
+    config = json.loads((done.artifact / "config.json").read_text())
+    assert config["architectures"] == [ARCHITECTURES[arch]]
+    assert config["quantization_config"]["format"] == CONFIG_FORMAT[fmt]
+
+    decoder = [
+        n.removesuffix(".weight") for n, t in reference.items() if n.startswith("model.layers.") and t.dim() == 2
+    ]
+    assert any(".experts." in m for m in decoder) and any(".shared_experts." in m for m in decoder)
+    assert any(".indexer." in m for m in decoder) == (arch != "deepseek_v3")
+    quantized = 0
+    for module in decoder:
+        want = _expected(module, fmt)
+        assert layers[module]["format"] == want, module
+        assert selection["layers"][module]["format"] == want, module
+        if want == "bf16":  # untouched, bit for bit
+            assert torch.equal(stored[f"{module}.weight"], reference[f"{module}.weight"]), module
+        else:
+            quantized += 1
+        routing = module.endswith("mlp.gate") or ".indexer." in module
+        assert selection["layers"][module]["quantizable"] is not routing, module
+    assert done.entry["metrics"]["quantized_layers"] == quantized
+    for name, tensor in reference.items():  # router biases, norms, embeddings, head
+        if name.endswith("e_score_correction_bias") or "norm" in name or not name.startswith("model.layers."):
+            assert torch.equal(stored[name], tensor), name
+    # Effective bits count the recipe's BF16 MLA projections (quantizable, kept) but not the
+    # routers or the indexer; exactly the format size formulas over the reference's shapes.
+    counted = [m for m in decoder if selection["layers"][m]["quantizable"]]
+    total = sum(reference[f"{m}.weight"].numel() for m in counted)
+    expected = sum(SCHEMES[_expected(m, fmt)].stored_bits(*reference[f"{m}.weight"].shape) for m in counted) / total
+    assert selection["effective_bits"] == pytest.approx(expected, abs=1e-4)
