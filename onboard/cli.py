@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from onboard.cli_engine import adapt, bench, serve
+from onboard.cli_engine import adapt, bench, bench_kv, serve
 from onboard.cli_options import (
     AlgorithmOpt,
     BaseOpt,
@@ -171,6 +171,7 @@ def run(
 for command in (adapt, bench, serve, smoke, report, gate):
     app.command()(command)
 app.command("bench-quant")(bench_quant)
+app.command("bench-kv")(bench_kv)
 
 
 @app.command()

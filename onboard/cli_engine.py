@@ -1,4 +1,4 @@
-"""The engine-facing commands: `adapt`, `bench` and `serve` (registered on the app by `cli.py`)."""
+"""The engine-facing commands: `adapt`, `bench`, `bench-kv` and `serve` (registered on the app by `cli.py`)."""
 
 from pathlib import Path
 from typing import Annotated
@@ -82,6 +82,25 @@ def bench(
         console.print(bench_table(result))
     if out:
         atomic.write_json(out, result)
+
+
+def bench_kv(
+    contexts: Annotated[
+        str, typer.Option(help="decode contexts in tokens, comma-separated")
+    ] = "1024,2048,4096,8192,16384",
+    batches: Annotated[str, typer.Option(help="decode batch sizes, comma-separated")] = "1,4",
+    numerics: Annotated[str, typer.Option(help="fast (weight-absorbed MLA decode) and/or exact")] = "fast,exact",
+    repeats: Annotated[int, typer.Option(min=1, help="timed steps per point (the median is reported)")] = 7,
+    index_topk: Annotated[int, typer.Option(min=1, help="the bench model's DSA top-k")] = 2048,
+    out: Annotated[Path | None, typer.Option(help="also write the figures to this JSON file")] = None,
+    device: DeviceOpt = "cpu",
+) -> None:
+    """KV-cache bytes per token of every supported family (full-size configs), and a decode step's time
+    against the context on a small random DSA model, beside the same model as dense MLA."""
+    from onboard.bench_kv import parse_numerics, parse_positive_ints, run_bench_kv
+
+    chosen = parse_positive_ints("--contexts", contexts), parse_positive_ints("--batches", batches)
+    run_bench_kv(*chosen, parse_numerics(numerics), repeats, index_topk, check_device(device), out)
 
 
 def serve(

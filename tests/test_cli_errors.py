@@ -322,6 +322,11 @@ def make_cases(i: Inputs) -> dict[str, Case]:
             ["--budgets", "4.5,x"],
             runs / "bench-quant.json",
         ),
+        "bench_kv_bad_contexts": Case(
+            ["bench-kv", "--contexts", "1024,abc", "--out", str(runs / "bench-kv.json")],
+            ["--contexts", "1024,abc"],
+            runs / "bench-kv.json",
+        ),
         "unknown_option": Case(
             quantize("unknown_option", i.model, "--num-sample", "3"),
             ["--num-sample"],
@@ -409,6 +414,7 @@ CASES = [
     "auto_without_budget",
     "budget_without_auto",
     "bench_quant_bad_budgets",
+    "bench_kv_bad_contexts",
     "unknown_option",
     "max_seq_length_1",
 ]

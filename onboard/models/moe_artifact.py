@@ -47,4 +47,35 @@ def load_quantized_moe(path: Path, dtype: torch.dtype, trust_remote_code: bool) 
     if stray:
         raise OnboardError(f"{path}: stored tensors do not match the linearized model (e.g. {stray[0]})")
     compressor.decompress_model(model)
+    quantize_expert_inputs_per_token(model)
     return model
+
+
+def quantize_expert_inputs_per_token(model: torch.nn.Module) -> None:
+    """Make linearized experts quantize their activations per token, as the format says.
+
+    compressed-tensors' dynamic `token` strategy keeps dims 0 and 1 of an input and reduces the
+    rest (`compute_dynamic_scales_and_zp`): per token for the [B, T, H] inputs of ordinary
+    layers, but per ELEMENT for the 2-D [tokens, H] rows llmcompressor's `LinearExperts2D` hands
+    each expert, so FP8 W8A8 experts would barely quantize their inputs (vLLM quantizes them per
+    token).  Each expert runs on a [1, tokens, H] view instead: hooks, so copies keep them."""
+    from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
+
+    for module in model.modules():
+        if isinstance(module, LinearExperts2D):
+            for expert in module:
+                if not getattr(expert, "_onboard_tokenwise", False):
+                    expert.register_forward_pre_hook(_as_tokens)
+                    expert.register_forward_hook(_from_tokens)
+                    expert._onboard_tokenwise = True
+
+
+def _as_tokens(module: torch.nn.Module, args: tuple):
+    x, *rest = args
+    module._onboard_unsqueezed = x.dim() == 2
+    return (x[None], *rest) if module._onboard_unsqueezed else None
+
+
+def _from_tokens(module: torch.nn.Module, _args: tuple, output: torch.Tensor):
+    unsqueezed, module._onboard_unsqueezed = module._onboard_unsqueezed, False
+    return output[0] if unsqueezed else None

@@ -40,8 +40,11 @@ def apply(model: torch.nn.Module, tokenizer, recipe, dataset: Dataset | None, ma
     """llmcompressor oneshot, in place, on calibration `dataset` (None: data-free formats)."""
     from llmcompressor import oneshot
 
+    from onboard.models.moe_artifact import quantize_expert_inputs_per_token
+
     if dataset is None:
         oneshot(model=model, tokenizer=tokenizer, recipe=recipe)
+        quantize_expert_inputs_per_token(model)
         return
     oneshot(
         model=model,
@@ -52,6 +55,7 @@ def apply(model: torch.nn.Module, tokenizer, recipe, dataset: Dataset | None, ma
         num_calibration_samples=len(dataset),
         shuffle_calibration_samples=False,
     )
+    quantize_expert_inputs_per_token(model)
 
 
 def quantized_copy(model, tokenizer, settings: Quantize, fmt: str, dataset: Dataset | None) -> torch.nn.Module:

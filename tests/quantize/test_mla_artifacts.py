@@ -156,3 +156,23 @@ def test_artifact_keeps_the_recipe_formats(built, arch: str, fmt: str) -> None:
     total = sum(reference[f"{m}.weight"].numel() for m in counted)
     expected = sum(SCHEMES[_expected(m, fmt)].stored_bits(*reference[f"{m}.weight"].shape) for m in counted) / total
     assert selection["effective_bits"] == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize(("arch", "fmt"), CASES)
+def test_engine_serves_the_artifact_as_compressed_tensors_computes_it(built, arch: str, fmt: str) -> None:
+    """The engine's linears hold exactly the weights compressed-tensors decompresses, and the
+    engine's logits match transformers' on the artifact: teacher-forced top-1 and greedy text."""
+    from onboard.adapt.stage import measure_parity
+    from onboard.engine.weights import CheckpointWeights
+
+    done = built(arch, fmt)
+    checkpoint = inspect_checkpoint(done.artifact)
+    weights = CheckpointWeights(done.artifact)
+    model = load_model(checkpoint)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.")}
+    assert any(".experts." in n for n in linears)
+    for name, module in linears.items():
+        assert torch.equal(weights.linear(name).weight, module.weight.to(torch.bfloat16)), name
+    result = measure_parity(checkpoint, torch.bfloat16, num_prompts=2)
+    assert result["top1_agreement"] >= 0.99, result
+    assert result["logprobs_close"], result["cases"]
