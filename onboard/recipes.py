@@ -23,6 +23,7 @@ NEVER_QUANTIZE = [
     "re:.*block_sparse_moe\\.gate$",
     "re:.*shared_expert_gate$",
     "re:.*router.*",
+    "re:.*\\.indexer\\..*",  # DSA's lightning indexer: a discrete top-k selection
     "re:.*(vision_tower|visual|vision_model|multi_modal_projector|mm_projector|audio_tower).*",
 ]
 

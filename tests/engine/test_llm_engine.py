@@ -19,6 +19,7 @@ import pytest
 import tiny_models
 import torch
 from artifacts import quantize_into
+from hf_reference import TOP, hf_greedy
 
 from onboard.adapt.parity import GreedyComparison, compare_greedy, compare_logits
 from onboard.engine.config import EngineConfig
@@ -31,7 +32,6 @@ from onboard.models import inspect_checkpoint, load_model, load_tokenizer
 from onboard.recipes import Calibration, Quantize, recipe_for
 
 ARCHS = ("tiny_llama", "tiny_qwen3", "tiny_qwen3_moe")
-TOP = 5
 TEXTS = (
     "The weather today is",
     "def fibonacci(n: int) -> int:\n    a, b = 0, 1\n    for _ in range(n):",
@@ -82,23 +82,6 @@ def text_prompts(path: Path) -> list[list[int]]:
 def corpus_ids(tiny_llama: Path) -> list[int]:
     """The tiny corpus as token ids (every tiny model shares the tokenizer): prompts of any length."""
     return load_tokenizer(inspect_checkpoint(tiny_llama))(tiny_models.CORPUS)["input_ids"]
-
-
-@torch.inference_mode()
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[list[int]]]:
-    """transformers' greedy continuation (no EOS stop) and its top-5 token ids per step."""
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,
-        pad_token_id=tiny_models.PAD_TOKEN_ID,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    return tokens, [step[0].float().topk(TOP).indices.tolist() for step in out.logits]
 
 
 @torch.inference_mode()

@@ -10,6 +10,7 @@ import pytest
 import tiny_models
 import torch
 import transformers
+from hf_reference import TOP, hf_greedy
 
 from onboard.adapt.parity import compare_greedy
 from onboard.engine import EngineConfig, LLMEngine, SamplingParams
@@ -17,7 +18,6 @@ from onboard.engine.layers.dsa import Selection
 
 MLA_FIXTURES = [f"tiny_{arch}" for arch in tiny_models.MLA_ARCHS]
 DSA_FIXTURES = [f"tiny_{arch}" for arch in tiny_models.DSA_ARCHS]
-TOP = 5
 
 
 def make_engine(path: Path, dtype: torch.dtype, **overrides) -> LLMEngine:
@@ -34,21 +34,6 @@ def prompts(n: int, lengths=(40, 57, 23, 70), seed: int = 0) -> list[list[int]]:
 
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP)
-
-
-@torch.inference_mode()
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[list[int]]]:
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,
-        pad_token_id=tiny_models.PAD_TOKEN_ID,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    return out.sequences[0, len(prompt) :].tolist(), [s[0].float().topk(TOP).indices.tolist() for s in out.logits]
 
 
 def top_ids(completion) -> list[list[int]]:
