@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import tiny_models  # noqa: E402
+import tiny_models
 
-from onboard.adapt.stage import measure_parity  # noqa: E402
-from onboard.models import inspect_checkpoint  # noqa: E402
-from onboard.quantize.stage import run_quantize  # noqa: E402
-from onboard.recipes import Calibration, Quantize, recipe_for  # noqa: E402
-from onboard.workspace import RunDir  # noqa: E402
+from onboard.adapt.stage import measure_parity
+from onboard.models import inspect_checkpoint
+from onboard.quantize.stage import run_quantize
+from onboard.recipes import Calibration, Quantize, recipe_for
+from onboard.workspace import RunDir
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -79,15 +79,16 @@ def main() -> None:
                 print(json.dumps(rows[-1]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=2) + "\n")
-    print("| family | format | dtype | max abs dlogit | top-1 | greedy identical | logprobs_close | DSA index sets | fast greedy | fast close |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    columns = ["family", "format", "dtype", "max abs dlogit", "top-1", "greedy identical", "logprobs_close"]
+    columns += ["DSA index sets", "fast greedy", "fast close"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
     for r in rows:
         fmt = lambda v: "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
-        print(
-            f"| {r['family']} | {r['format']} | {r['dtype']} | {fmt(r['max_abs_logit_diff'])} | {fmt(r['top1_agreement'])} "
-            f"| {fmt(r['greedy_match_rate'])} | {r['logprobs_close']} | {fmt(r['index_sets_equal'])} "
-            f"| {fmt(r['fast_greedy_match_rate'])} | {fmt(r['fast_logprobs_close'])} |"
-        )
+        cells = [r["family"], r["format"], r["dtype"], fmt(r["max_abs_logit_diff"]), fmt(r["top1_agreement"])]
+        cells += [fmt(r["greedy_match_rate"]), str(r["logprobs_close"]), fmt(r["index_sets_equal"])]
+        cells += [fmt(r["fast_greedy_match_rate"]), fmt(r["fast_logprobs_close"])]
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -275,6 +275,7 @@ def _deepseek_config(arch: str, common: dict) -> transformers.PretrainedConfig:
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
         first_k_dense_replace=1,
+        rms_norm_eps=1e-5,  # not the 1e-6 MLA's latent norms always use: a mix-up shows
     )
     if arch == "deepseek_v3":
         mla.update(q_lora_rank=None, rope_parameters=dict(YARN_ROPE), rope_interleave=True)

@@ -13,6 +13,7 @@ transformers 5 holds MoE experts as fused 3-D tensors that checkpoints store per
 per-layer load stacks them as its conversion mapping does (gate and up concatenated).
 """
 
+import copy
 import re
 from pathlib import Path
 from typing import Any
@@ -65,8 +66,9 @@ class _Reference:
     def __init__(self, path: Path, config: Any, dtype: torch.dtype, device: torch.device):
         from transformers import AutoModelForCausalLM
 
-        self.path, self.config, self.dtype, self.device = path, config, dtype, device
+        config = copy.deepcopy(config)  # the engine keeps its own
         config._attn_implementation = "sdpa"
+        self.path, self.config, self.dtype, self.device = path, config, dtype, device
         with torch.device("meta"):
             shell = AutoModelForCausalLM.from_config(config, dtype=dtype)
         self.layer_cls = type(shell.model.layers[0])

@@ -45,8 +45,8 @@ def _reference_greedy(model, prompt: list[int], eos_ids: set[int], pad_id: int) 
     linear on at least two rows (oneDNN rounds a one-row product differently, and batch invariance
     needs one kernel for every batch size), so two rows make both sides run the same kernels."""
     out = model.generate(
-        torch.tensor([prompt, prompt]),
-        attention_mask=torch.ones(2, len(prompt), dtype=torch.long),
+        torch.tensor([prompt, prompt], device=model.device),
+        attention_mask=torch.ones(2, len(prompt), dtype=torch.long, device=model.device),
         max_new_tokens=MAX_NEW_TOKENS,
         do_sample=False,
         eos_token_id=sorted(eos_ids),
@@ -83,7 +83,7 @@ def measure_parity(
     prompts = parity_prompts(tokenizer, num_prompts)
     engine = _engine(checkpoint, dtype, device)
     fast = _engine(checkpoint, dtype, device, "fast") if _is_mla(engine) else None
-    reference = load_model(checkpoint, dtype)
+    reference = load_model(checkpoint, dtype).to(device)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=TOP)
     stats = KLStats()
     max_diff = 0.0
@@ -99,8 +99,8 @@ def measure_parity(
             forced = prompt + theirs
             trace: dict = {}
             with torch.inference_mode():
-                ref_logits = reference(torch.tensor([forced])).logits[0].float()
-            max_diff = max(max_diff, compare_logits(engine.score(forced, trace=trace), ref_logits, stats))
+                ref_logits = reference(torch.tensor([forced], device=device)).logits[0].float().cpu()
+            max_diff = max(max_diff, compare_logits(engine.score(forced, trace=trace).cpu(), ref_logits, stats))
             if trace:
                 index_sets.append(compare_selections(reference, forced, trace))
             if fast is not None:

@@ -104,9 +104,8 @@ def test_kv_layout_is_the_latent_not_expanded_kv(tiny_deepseek_v3: Path, tiny_gl
     assert latent.name == "latent" and latent.shape == (1, tiny_models.KV_LORA_RANK + tiny_models.QK_ROPE_HEAD_DIM)
     layers = tiny_models.DEEPSEEK_LAYERS
     assert engine.kv_layout.bytes_per_token() == layers * (tiny_models.KV_LORA_RANK + tiny_models.QK_ROPE_HEAD_DIM) * 2
-    expanded = (
-        layers * tiny_models.NUM_ATTENTION_HEADS * (2 * tiny_models.QK_NOPE_HEAD_DIM + tiny_models.V_HEAD_DIM) * 2
-    )
+    per_head = tiny_models.QK_NOPE_HEAD_DIM + tiny_models.QK_ROPE_HEAD_DIM + tiny_models.V_HEAD_DIM
+    expanded = layers * tiny_models.NUM_ATTENTION_HEADS * per_head * 2
     assert engine.kv_layout.bytes_per_token() < expanded
     glm = make_engine(tiny_glm_moe_dsa, torch.bfloat16)
     index = next(t for t in glm.kv_layout.tensors if t.name == "index_k")

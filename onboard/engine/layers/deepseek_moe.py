@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from onboard.engine.layers.mlp import LlamaMLP
+from onboard.engine.layers.moe import run_experts
 from onboard.engine.layers.weight_source import WeightSource
 
 
@@ -131,38 +132,5 @@ class DeepseekMoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_indices = self.route(x)
-        routed = self._routed(x, topk_weights, topk_indices)
+        routed = run_experts(self.experts, x, topk_weights, topk_indices, self.experts_implementation == "eager")
         return routed + self.shared_experts.forward(x)
-
-    def _routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_indices: torch.Tensor) -> torch.Tensor:
-        t, hidden = x.shape
-        k = self.top_k
-        flat_w = topk_weights.reshape(-1, 1)  # [t*k, 1], float32
-        flat_e = topk_indices.reshape(-1)
-        eager = self.experts_implementation == "eager"
-        # (token, slot) pairs grouped by expert, each expert's rows in the order transformers gives
-        # them (a GEMM may round a row differently at another position): grouped_mm's `torch.sort`
-        # of the expert ids, the eager loop's `torch.where` over the expert's [slot, token] mask.
-        if eager:
-            pair = torch.arange(t * k, device=x.device)
-            order = torch.argsort(flat_e * (t * k) + (pair % k) * t + pair // k)
-        else:
-            _, order = torch.sort(flat_e)
-        counts = torch.bincount(flat_e, minlength=self.num_experts).tolist()
-        tokens = order // k
-        out = torch.zeros_like(x) if eager else x.new_empty(t * k, hidden, dtype=torch.float32)
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            pairs = order[start : start + count]
-            rows = tokens[start : start + count]
-            y = self.experts[e].forward(x.index_select(0, rows)) * flat_w.index_select(0, pairs)  # float32
-            if eager:
-                out.index_add_(0, rows, y.to(out.dtype))
-            else:
-                out.index_copy_(0, pairs, y)
-            start += count
-        if eager:
-            return out
-        return out.view(t, k, hidden).sum(dim=1).to(x.dtype)

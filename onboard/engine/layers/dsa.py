@@ -34,14 +34,15 @@ class Selection:
     prefill: list[torch.Tensor | None]  # per prefill sequence: [query_len, context_len] bool
 
 
-def is_dsa_layer(config: Any, layer_idx: int) -> bool:
+def is_dsa(config: Any) -> bool:
+    """Every layer of a DSA model attends sparsely (its own selection or a shared one)."""
     return getattr(config, "index_topk", None) is not None
 
 
 def runs_indexer(config: Any, layer_idx: int) -> bool:
     """GLM-5's "shared" layers reuse the previous full layer's selection instead."""
     types = getattr(config, "indexer_types", None)
-    return is_dsa_layer(config, layer_idx) and (types is None or types[layer_idx] == "full")
+    return is_dsa(config) and (types is None or types[layer_idx] == "full")
 
 
 class Indexer(torch.nn.Module):

@@ -26,12 +26,13 @@ from onboard.engine.batch import ForwardBatch
 from onboard.engine.context import StepContext
 from onboard.engine.kv_cache import KVLayout, KVTensorSpec
 from onboard.engine.layers.deepseek_moe import DeepseekMoE
-from onboard.engine.layers.dsa import Indexer, is_dsa_layer, runs_indexer
+from onboard.engine.layers.dsa import Indexer, is_dsa, runs_indexer
 from onboard.engine.layers.mla import MLAttention, mla_kv_tensors
 from onboard.engine.layers.mlp import LlamaMLP
 from onboard.engine.layers.weight_source import WeightSource
 from onboard.engine.models.base import DecoderLayer, DecoderModel
 from onboard.engine.rope import RotaryEmbedding
+from onboard.errors import OnboardError
 
 _MODEL_TYPES_WITH_INTERLEAVED_INDEXER = {"glm_moe_dsa"}
 
@@ -44,7 +45,7 @@ def _is_sparse_mlp(config: Any, layer_idx: int) -> bool:
 
 
 def _mla_interleaved(config: Any) -> bool:
-    return bool(getattr(config, "rope_interleave", None) or is_dsa_layer(config, 0))
+    return bool(getattr(config, "rope_interleave", None) or is_dsa(config))
 
 
 def mtp_layer_names(names: list[str], num_hidden_layers: int) -> list[str]:
@@ -66,10 +67,12 @@ class DeepseekV3Model(DecoderModel):
 
     def make_layer(self, config: Any, weights: WeightSource, prefix: str, layer_idx: int) -> torch.nn.Module:
         indexer = None
+        if is_dsa(config) and config.q_lora_rank is None:
+            raise OnboardError("a DSA indexer reads the query latent: this config has index_topk but no q_lora_rank")
         if runs_indexer(config, layer_idx):
             interleaved = config.model_type in _MODEL_TYPES_WITH_INTERLEAVED_INDEXER
             indexer = Indexer(config, weights, f"{prefix}.self_attn.indexer", layer_idx, interleaved)
-        shares = is_dsa_layer(config, layer_idx) and indexer is None
+        shares = is_dsa(config) and indexer is None
         attn = MLAttention(config, weights, f"{prefix}.self_attn", layer_idx, _mla_interleaved(config), indexer, shares)
         if _is_sparse_mlp(config, layer_idx):
             mlp = DeepseekMoE(config, weights, f"{prefix}.mlp", "eager" if self.quantized else None)
