@@ -12,7 +12,7 @@ import torch
 from rich.table import Table
 
 from onboard.engine.config import NUMERICS
-from onboard.engine.kv_cache import KVLayout, KVTensorSpec
+from onboard.engine.kv_cache import KVLayout
 from onboard.errors import OnboardError
 
 # Published dimensions, as transformers config kwargs (each model's config.json on the Hugging Face
@@ -73,23 +73,10 @@ def full_size_config(name: str) -> Any:
 
 
 def kv_layout_for(config: Any, dtype: torch.dtype = torch.bfloat16) -> KVLayout:
-    """The layout the engine's model for `config` declares, without building the model.
+    """The layout the engine allocates for `config`, without building the model."""
+    from onboard.engine import kv_layout_for as engine_layout
 
-    The engine exposes the layout only on a model instance (`DecoderModel.kv_layout`), so this
-    assembles it from the per-layer spec functions the models use; a test checks it against the
-    engine's own on built tiny models."""
-    from onboard.engine.layers.dsa import runs_indexer
-    from onboard.engine.layers.mha import mha_kv_tensors
-    from onboard.engine.layers.mla import mla_kv_tensors
-    from onboard.engine.models import DeepseekV3Model, model_class
-
-    if not issubclass(model_class(config), DeepseekV3Model):
-        return KVLayout(tuple(mha_kv_tensors(config)), dtype)
-    tensors = mla_kv_tensors(config)
-    indexer_layers = tuple(i for i in range(config.num_hidden_layers) if runs_indexer(config, i))
-    if indexer_layers:
-        tensors.append(KVTensorSpec("index_k", (config.index_head_dim,), indexer_layers))
-    return KVLayout(tuple(tensors), dtype)
+    return engine_layout(config, dtype)
 
 
 def expanded_kv_bytes_per_token(config: Any, element_size: int = 2) -> int:

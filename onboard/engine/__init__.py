@@ -25,6 +25,7 @@ _EXPORTS = {
     "KVLayout": "onboard.engine.kv_cache",
     "UnsupportedArchitecture": "onboard.engine.models",
     "engine_model_name": "onboard.engine.models",
+    "kv_layout_for": "onboard.engine.models",
     "supported_architectures": "onboard.engine.models",
 }
 

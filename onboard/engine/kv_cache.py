@@ -85,6 +85,10 @@ class KVCache:
         for name, value in values.items():
             self._flat[name][layer].index_copy_(0, slot_mapping, value)
 
+    def gather_slots(self, name: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The tokens at flat `slots` (`[n]` int64) as `[n, *shape]`."""
+        return self._flat[name][layer].index_select(0, slots)
+
     def gather(
         self, name: str, layer: int, blocks: torch.Tensor | list[int], length: int | None = None
     ) -> torch.Tensor:

@@ -245,3 +245,17 @@ def test_speculative_greedy_equals_plain_greedy(arch: str, request) -> None:
     assert got == want
     assert spec.speculator.stats.num_drafts > 0
     _assert_drained(spec)
+
+
+@pytest.mark.parametrize("numerics", ["exact", "fast"])
+@pytest.mark.parametrize("arch", DSA_FIXTURES)
+def test_the_sdpa_backend_gives_the_cpu_backends_tokens(arch: str, numerics: str, request) -> None:
+    """The device-generic backend (one padded call, DSA as a key mask, verification as prefill)
+    computes the same function as the exact per-row one: fp32 tokens equal on a batch."""
+    path = request.getfixturevalue(arch)
+    work = prompts(3, lengths=(30, 12, 44))
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    cpu = make_engine(path, torch.float32, numerics=numerics)
+    sdpa = make_engine(path, torch.float32, numerics=numerics, attention_backend="sdpa")
+    assert sdpa.runner.backend.name == "sdpa" and not sdpa.runner.backend.rowwise_verification
+    assert [c.token_ids for c in sdpa.generate(work, params)] == [c.token_ids for c in cpu.generate(work, params)]

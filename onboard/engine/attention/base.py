@@ -63,11 +63,14 @@ class AttentionBackend(ABC):
         value_dim: int | None = None,
         window: int | None = None,
         selected: list[torch.Tensor] | None = None,
+        fold_heads: bool = False,
     ) -> torch.Tensor:
         """Decode rows `q` `[B, h, d]` against each row's cached context -> `[B, h, dv]`.
 
         `values=None`: the values are the first `value_dim` columns of the keys.  `selected`: per
-        row, the context positions it may attend to (all of them when None)."""
+        row, the context positions it may attend to (all of them when None).  `fold_heads` (one
+        cached head, fast numerics): the query heads run as query rows of one head, the same
+        function as grouped attention but one GEMM instead of a loop over heads."""
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float

@@ -26,6 +26,7 @@ def padded_decode(
     value_dim: int | None,
     window: int | None,
     selected: list[torch.Tensor] | None,
+    fold_heads: bool = False,
 ) -> torch.Tensor:
     tables = meta.decode_block_tables
     source = cache.blocks(keys, layer)
@@ -51,6 +52,8 @@ def padded_decode(
             chosen[i, positions] = True
         chosen = chosen[:, None, None, :]
         mask = chosen if mask is None else mask & chosen
+    if fold_heads and k.shape[2] == 1:  # [B, 1, h, d] queries: every head a row of the one KV head
+        return sdpa(q.unsqueeze(1), k.transpose(1, 2), v.transpose(1, 2), mask, scale, False).squeeze(1)
     out = sdpa(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask, scale, False)
     return out.squeeze(2)
 
@@ -59,5 +62,8 @@ class SdpaBackend(AttentionBackend):
     name = "sdpa"
     rowwise_verification = False
 
-    def decode(self, q, layer, cache, meta, scale, *, keys="k", values="v", value_dim=None, window=None, selected=None):
-        return padded_decode(q, layer, cache, meta, scale, keys, values, value_dim, window, selected)
+    def decode(
+        self, q, layer, cache, meta, scale, *, keys="k", values="v", value_dim=None, window=None, selected=None,
+        fold_heads=False,
+    ):  # fmt: skip
+        return padded_decode(q, layer, cache, meta, scale, keys, values, value_dim, window, selected, fold_heads)

@@ -152,7 +152,7 @@ class MLAttention(torch.nn.Module):
                 q_abs = torch.cat([q_lat, q_rot[rows]], dim=-1)
                 out = ctx.backend.decode(
                     q_abs, self.layer_idx, ctx.cache, meta, self.scale, keys="latent", values=None,
-                    value_dim=rank, selected=selected,
+                    value_dim=rank, selected=selected, fold_heads=True,
                 )  # fmt: skip
                 decode_out = torch.bmm(out.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [B, h, v]
             else:

@@ -47,6 +47,13 @@ def model_class(config: Any) -> type[DecoderModel]:
     )
 
 
+def kv_layout_for(config: Any, dtype: Any = None):
+    """The KV layout the engine allocates for `config` (bf16 unless `dtype`), no model built."""
+    import torch
+
+    return model_class(config).layout_for(config, dtype or torch.bfloat16)
+
+
 def engine_model_name(config: Any) -> str:
     """The name of the engine class serving `config`; raises UnsupportedArchitecture."""
     return model_class(config).__name__
@@ -60,6 +67,7 @@ __all__ = [
     "Qwen3MoeModel",
     "UnsupportedArchitecture",
     "engine_model_name",
+    "kv_layout_for",
     "model_class",
     "supported_architectures",
 ]

@@ -62,9 +62,14 @@ class DecoderModel(torch.nn.Module):
     @abstractmethod
     def make_layer(self, config: Any, weights: WeightSource, prefix: str, layer_idx: int) -> torch.nn.Module: ...
 
-    @property
+    @classmethod
     @abstractmethod
-    def kv_layout(self) -> KVLayout: ...
+    def layout_for(cls, config: Any, dtype: torch.dtype) -> KVLayout:
+        """What the family caches per token for `config`, without building a model."""
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self.layout_for(self.config, self.dtype)
 
     def prepare(self, batch: ForwardBatch, ctx: StepContext) -> None:
         """Per-step tables the layers share (into `ctx.tables`)."""

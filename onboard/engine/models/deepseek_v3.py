@@ -80,13 +80,13 @@ class DeepseekV3Model(DecoderModel):
             mlp = LlamaMLP(config, weights, f"{prefix}.mlp")
         return DecoderLayer(config, weights, prefix, attn, mlp)
 
-    @property
-    def kv_layout(self) -> KVLayout:
-        tensors = mla_kv_tensors(self.config)
-        indexer_layers = tuple(i for i in range(self.config.num_hidden_layers) if runs_indexer(self.config, i))
+    @classmethod
+    def layout_for(cls, config: Any, dtype: torch.dtype) -> KVLayout:
+        tensors = mla_kv_tensors(config)
+        indexer_layers = tuple(i for i in range(config.num_hidden_layers) if runs_indexer(config, i))
         if indexer_layers:
-            tensors.append(KVTensorSpec("index_k", (self.config.index_head_dim,), indexer_layers))
-        return KVLayout(tuple(tensors), self.dtype)
+            tensors.append(KVTensorSpec("index_k", (config.index_head_dim,), indexer_layers))
+        return KVLayout(tuple(tensors), dtype)
 
     def prepare(self, batch: ForwardBatch, ctx: StepContext) -> None:
         cos, sin = self.rotary(ctx.positions, max_position=max(batch.context_lens, default=1) - 1)

@@ -32,9 +32,9 @@ class LlamaModel(DecoderModel):
     def make_mlp(self, config: Any, weights: WeightSource, prefix: str, layer_idx: int) -> torch.nn.Module:
         return LlamaMLP(config, weights, prefix)
 
-    @property
-    def kv_layout(self) -> KVLayout:
-        return KVLayout(tuple(mha_kv_tensors(self.config)), self.dtype)
+    @classmethod
+    def layout_for(cls, config: Any, dtype: torch.dtype) -> KVLayout:
+        return KVLayout(tuple(mha_kv_tensors(config)), dtype)
 
     def prepare(self, batch: ForwardBatch, ctx: StepContext) -> None:
         cos, sin = self.rotary(ctx.positions, max_position=max(batch.context_lens, default=1) - 1)
