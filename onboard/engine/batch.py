@@ -26,7 +26,3 @@ class ForwardBatch:
     # Per sequence: its new tokens come after the whole prompt (a decode token plus draft
     # proposals to verify), so they are attended row by row, as decode steps attend.
     decoding: list[bool] = field(default_factory=list)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return all(q == 1 for q in self.query_lens)

@@ -45,9 +45,6 @@ class KVLayout:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return sum(t.elements_per_token for t in self.tensors) * elem
 
-    def bytes_per_block(self, block_size: int) -> int:
-        return self.bytes_per_token() * block_size
-
     def describe(self) -> dict[str, int]:
         """Bytes per token by cached tensor (all layers)."""
         elem = torch.empty((), dtype=self.dtype).element_size()

@@ -182,7 +182,7 @@ class LLMEngine:
             )
         matcher = self.grammars.matcher(grammar) if grammar is not None else None
         seq = Sequence(prompt_token_ids, self.config.block_size, sampling=params)
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        generator = params.make_generator()
         self.requests[seq.seq_id] = _Request(seq, params, generator, matcher)
         self.scheduler.add(seq)
         return seq.seq_id

@@ -77,11 +77,12 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
 
-    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
-        """The request's RNG: create once per request so successive steps continue one stream."""
+    def make_generator(self) -> torch.Generator | None:
+        """The request's RNG (on the CPU, where sampling draws): create once per request so
+        successive steps continue one stream."""
         if self.seed is None:
             return None
-        return torch.Generator(device=device).manual_seed(self.seed)
+        return torch.Generator().manual_seed(self.seed)
 
 
 @dataclass

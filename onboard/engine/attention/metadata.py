@@ -121,10 +121,6 @@ class AttentionMetadata:
                 meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
         return meta
 
-    @property
-    def is_decode_only(self) -> bool:
-        return not self.prefill
-
     def decode_mask_for(self, window: int | None) -> torch.Tensor | None:
         """The decode key mask, narrowed to the last `window` positions of each context."""
         if window is None or window >= self.decode_len:
