@@ -22,8 +22,8 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def arch_dirs(tiny_llama: Path, tiny_qwen3: Path, tiny_qwen3_moe: Path) -> dict[str, Path]:
-    return {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen3_moe": tiny_qwen3_moe}
+def arch_dirs(request: pytest.FixtureRequest) -> dict[str, Path]:
+    return {arch: request.getfixturevalue(f"tiny_{arch}") for arch in tiny_models.ARCHS}
 
 
 def _dir_bytes(d: Path) -> dict[str, bytes]:
@@ -140,14 +140,21 @@ def test_every_projection_is_nvfp4_shaped(arch: str, arch_dirs: dict[str, Path])
     model = AutoModelForCausalLM.from_pretrained(arch_dirs[arch], dtype=torch.bfloat16)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert "lm_head" in linears
-    assert any(n.endswith("self_attn.k_proj") for n in linears)
+    attention = "self_attn.kv_b_proj" if arch in tiny_models.MLA_ARCHS else "self_attn.k_proj"
+    assert any(n.endswith(attention) for n in linears)
+    # The DSA indexer's per-head weights (out = index heads) stay BF16 in every recipe, as routers do.
+    small = ("indexer.weights_proj",)
     for name, lin in linears.items():
+        if name.endswith(small):
+            continue
         assert lin.in_features % 16 == 0, (name, lin.in_features)
         assert lin.out_features % 16 == 0, (name, lin.out_features)
     # On disk (what a quantizer reading the checkpoint sees), every 2-D weight except the router
     # and the embedding is a projection: check both dims there too.
     for key, t in _safetensors(arch_dirs[arch] / "model.safetensors").items():
-        if t.ndim == 2 and not key.endswith(("mlp.gate.weight", "embed_tokens.weight")):
+        if t.ndim == 2 and not key.endswith(
+            ("mlp.gate.weight", "embed_tokens.weight", *(f"{s}.weight" for s in small))
+        ):
             assert t.shape[0] % 16 == 0 and t.shape[1] % 16 == 0, (key, tuple(t.shape))
         if key.endswith("mlp.gate.weight"):
             assert t.shape[1] % 16 == 0, (key, tuple(t.shape))

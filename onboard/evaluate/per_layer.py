@@ -8,8 +8,7 @@ import torch
 from rich.progress import Progress
 
 from onboard.console import console
-from onboard.quantize.groups import LAYER
-from onboard.quantize.replay import LayerReplay, decoder_layers
+from onboard.evaluate.replay import LAYER, LayerReplay, decoder_layers
 
 
 def batch_windows(windows: list[tuple[str, list[int]]], tokens: int) -> torch.Tensor:

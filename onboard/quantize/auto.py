@@ -7,11 +7,11 @@ import torch
 from datasets import Dataset
 
 from onboard.console import console
+from onboard.evaluate.replay import LayerReplay
 from onboard.quantize.compose import Composer
 from onboard.quantize.groups import Group, decision_groups, effective_bits
 from onboard.quantize.knapsack import additive_selection, check_budget, predicted_kl
 from onboard.quantize.modifiers import quantized_copy
-from onboard.quantize.replay import LayerReplay
 from onboard.quantize.schemes import LADDERS
 from onboard.quantize.search import Measurer, measured_search
 from onboard.quantize.sensitivity import fisher_sensitivity, measured_sensitivity, rank_correlation

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from onboard.evaluate.replay import LAYER
 from onboard.quantize.schemes import SCHEMES
 
-LAYER = re.compile(r"\.layers\.(\d+)\.")
 # Sibling Linear modules an engine runs as one kernel, by the kind of the fused module. A module
 # joins its set only when a sibling of the set is there too (deepseek_v3 without q_lora_rank has
 # q_proj and kv_a_proj_with_mqa but no k_proj or q_a_proj: each stays alone).

@@ -19,10 +19,10 @@ import torch
 from rich.progress import Progress
 
 from onboard.console import console
+from onboard.evaluate.replay import LayerReplay
 from onboard.quantize.compose import Composer
 from onboard.quantize.groups import Group, effective_bits, fits
 from onboard.quantize.knapsack import group_kl
-from onboard.quantize.replay import LayerReplay
 
 MIN_Z = 2.0
 

@@ -5,8 +5,8 @@ from rich.progress import Progress
 from scipy.stats import spearmanr
 
 from onboard.console import console
+from onboard.evaluate.replay import LayerReplay
 from onboard.quantize.compose import Composer
-from onboard.quantize.replay import LayerReplay
 
 
 def measured_sensitivity(replay: LayerReplay, composer: Composer, formats: list[str]) -> dict[str, dict[str, float]]:

@@ -11,6 +11,7 @@ import torch
 from artifacts import stored_tensors
 
 from onboard.errors import OnboardError
+from onboard.evaluate.replay import LayerReplay
 from onboard.models import inspect_checkpoint, load_model, load_tokenizer
 from onboard.quantize.auto import Selection, search_windows
 from onboard.quantize.bits import effective_bits as stored_effective_bits
@@ -19,7 +20,6 @@ from onboard.quantize.calibration import calibration_dataset
 from onboard.quantize.compose import Composer
 from onboard.quantize.groups import Group, decision_groups, effective_bits, fits
 from onboard.quantize.knapsack import additive_selection, capacity_bits, predicted_kl
-from onboard.quantize.replay import LayerReplay
 from onboard.quantize.schemes import LADDERS, SCHEMES
 from onboard.quantize.stage import run_quantize
 from onboard.recipes import NEVER_QUANTIZE, Calibration, Quantize, Search, recipe_for
@@ -93,11 +93,13 @@ def _modules(group: Group) -> list[str]:
 
 
 def test_deepseek_v32_groups_follow_vllm_fused_kernels(tiny_deepseek_v32: Path) -> None:
-    """Every Linear but the routers quantized (no recipe): the groups vLLM's DeepseekV2MLAAttention,
-    DeepseekV2MLP and fused MoE impose. q_a_proj and kv_a_proj_with_mqa are one fused_qkv_a_proj."""
+    """Every Linear but the routers quantized (the indexer too, which the default ignore list keeps
+    in BF16): the groups vLLM's DeepseekV2MLAAttention, DeepseekV2MLP and fused MoE impose.
+    q_a_proj and kv_a_proj_with_mqa are one fused_qkv_a_proj."""
     from onboard.quantize.patterns import matches
 
-    groups, quantized = _mla_groups(tiny_deepseek_v32, Quantize(ignore=NEVER_QUANTIZE), "nvfp4a16")
+    ignore = [p for p in NEVER_QUANTIZE if "indexer" not in p]
+    groups, quantized = _mla_groups(tiny_deepseek_v32, Quantize(ignore=ignore), "nvfp4a16")
     layers = range(tiny_models.DEEPSEEK_LAYERS)
     expected = {}
     for layer in layers:

@@ -9,6 +9,7 @@ while the model's forward (masks, rotary embeddings, norms) runs unchanged; a se
 construction proves the replay equals the plain forward for the architecture at hand.
 """
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -17,6 +18,9 @@ from torch import nn
 
 from onboard.errors import OnboardError
 from onboard.evaluate.logits import head_chunks
+
+# A module name's decoder layer index (`model.layers.3.mlp.down_proj` -> 3).
+LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 CHUNK = 256  # positions per float32 logit block
 
