@@ -36,6 +36,10 @@ def adapt(
     torch_type, device = torch_dtype(dtype), check_device(device)
     checkpoint = inspect_checkpoint(model_dir, allow_pickle=allow_pickle)
     engine_model_for(checkpoint)  # an unsupported architecture fails before RUN_DIR is touched
+    if layerwise:
+        from onboard.adapt.layerwise import check_layerwise
+
+        check_layerwise(model_dir)
     with RunDir(run_dir) as run:
         (run_layerwise if layerwise else run_adapt)(run, checkpoint, device, torch_type)
 

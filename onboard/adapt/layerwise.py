@@ -132,6 +132,18 @@ def _engine_step(engine_model, length: int, device: torch.device):
     return ctx
 
 
+def check_layerwise(path: Path) -> Any:
+    """The checkpoint's config, or a one-line refusal of what layerwise parity cannot compare."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "quantization_config", None):
+        raise OnboardError("layerwise parity runs on plain checkpoints; this one is quantized (compressed-tensors)")
+    if any(t == "sliding_attention" for t in getattr(config, "layer_types", None) or []):
+        raise OnboardError("layerwise parity does not build sliding-window masks yet; run whole-model adapt")
+    return config
+
+
 def _diff(mine: torch.Tensor, theirs: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:
     mine, theirs = mine.float(), theirs.float()
     scale = max(1.0, float(theirs.abs().max()))
@@ -142,18 +154,12 @@ def _diff(mine: torch.Tensor, theirs: torch.Tensor, dtype: torch.dtype) -> dict[
 @torch.inference_mode()
 def measure_layerwise(path: Path, prompts: list[list[int]], dtype: torch.dtype, device: str = "cpu") -> dict[str, Any]:
     """Per decoder layer (and the head), the engine's output against transformers' on transformers' input."""
-    from transformers import AutoConfig
-
     from onboard.engine.models import model_class
     from onboard.engine.weights import CheckpointWeights
 
     device_ = torch.device(device)
-    config = AutoConfig.from_pretrained(path)
+    config = check_layerwise(path)
     weights = CheckpointWeights(path, dtype=dtype, device=device_)
-    if weights.quantization_config is not None:
-        raise OnboardError("layerwise parity runs on plain checkpoints; this one is quantized (compressed-tensors)")
-    if any(t == "sliding_attention" for t in getattr(config, "layer_types", None) or []):
-        raise OnboardError("layerwise parity does not build sliding-window masks yet; run whole-model adapt")
     engine_model = model_class(config)(config, weights, layer_ids=())
     reference = _Reference(path, config, dtype, device_)
     streams = [engine_model.embed_tokens[torch.tensor(p, device=device_)] for p in prompts]

@@ -88,8 +88,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq], aux_layers: tuple[int, ...] = ()) -> StepResult:
-        batch = self.prepare(scheduled)
-        out = self.model.forward(batch, self.context(batch, aux_layers))
+        batch, out = self._forward(scheduled, aux_layers, None)
         aux = torch.cat(out.aux_hidden_states, dim=-1) if aux_layers else None
         if len(batch.logits_indices) == 0:
             return StepResult(torch.empty(0, self.vocab_size), aux)
@@ -98,6 +97,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_hidden(self, scheduled: list[ScheduledSeq], aux_layers: tuple[int, ...] = (), trace=None):
         """Final hidden states `[T, H]` of every computed token and the aux layers' inputs."""
-        batch = self.prepare(scheduled)
-        out = self.model.forward(batch, self.context(batch, aux_layers, trace))
+        _, out = self._forward(scheduled, aux_layers, trace)
         return out.hidden, out.aux_hidden_states
+
+    def _forward(self, scheduled: list[ScheduledSeq], aux_layers: tuple[int, ...], trace: dict | None):
+        batch = self.prepare(scheduled)
+        return batch, self.model.forward(batch, self.context(batch, aux_layers, trace))

@@ -169,3 +169,18 @@ def test_bad_dtype_or_device_is_one_error_line(
     (line,) = error_lines(err)
     assert message in line
     assert not (tmp_path / "run").exists()
+
+
+def test_layerwise_refuses_a_quantized_artifact_before_touching_the_run(tiny_llama: Path, tmp_path: Path, cli) -> None:
+    quantized = tmp_path / "quantized"
+    quantized.mkdir()
+    for file in tiny_llama.iterdir():
+        (quantized / file.name).write_bytes(file.read_bytes())
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {}}
+    (quantized / "config.json").write_text(json.dumps(config))
+    code, out, err = cli("adapt", str(quantized), "--out", str(tmp_path / "run"), "--layerwise")
+    assert code == 2 and "Traceback" not in out + err
+    (line,) = error_lines(err)
+    assert "plain checkpoints" in line
+    assert not (tmp_path / "run").exists()

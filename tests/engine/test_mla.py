@@ -12,6 +12,7 @@ import torch
 import transformers
 from hf_reference import TOP, hf_greedy
 
+from onboard.adapt.dsa import reference_selections
 from onboard.adapt.parity import compare_greedy
 from onboard.engine import EngineConfig, LLMEngine, SamplingParams
 from onboard.engine.layers.dsa import Selection
@@ -113,30 +114,6 @@ def test_kv_layout_is_the_latent_not_expanded_kv(tiny_deepseek_v3: Path, tiny_gl
     assert glm.stats()["kv_bytes_per_token"] == glm.kv_layout.bytes_per_token()
 
 
-def _transformers_selection(model, ids: list[int]) -> dict[int, torch.Tensor]:
-    """Per indexer layer, transformers' selected keys as a [T, T] bool matrix (causal part)."""
-    picked: dict[int, torch.Tensor] = {}
-    hooks = []
-    for i, layer in enumerate(model.model.layers):
-        indexer = layer.self_attn.indexer
-        if indexer is None:
-            continue
-
-        def hook(_module, _args, output, i=i):
-            t = output.shape[1]
-            chosen = torch.zeros(t, t, dtype=torch.bool).scatter_(-1, output[0].long(), True)
-            picked[i] = chosen & torch.ones(t, t, dtype=torch.bool).tril()
-
-        hooks.append(indexer.register_forward_hook(hook))
-    try:
-        with torch.inference_mode():
-            model(torch.tensor([ids]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return picked
-
-
 @pytest.mark.parametrize("arch", DSA_FIXTURES)
 def test_dsa_index_sets_equal_transformers_at_every_position(arch: str, request) -> None:
     path = request.getfixturevalue(arch)
@@ -144,7 +121,7 @@ def test_dsa_index_sets_equal_transformers_at_every_position(arch: str, request)
     for prompt in prompts(2, lengths=(70, 45)):
         trace: dict[int, list[Selection]] = {}
         engine.score(prompt, trace=trace)
-        want = _transformers_selection(model, prompt)
+        want = reference_selections(model, prompt)
         assert sorted(trace) == sorted(want)
         for layer, (selection,) in trace.items():
             (got,) = selection.prefill

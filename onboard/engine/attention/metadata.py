@@ -133,6 +133,18 @@ class AttentionMetadata:
             self._window_masks[key] = ((pos < lens) & (pos >= lens - window))[:, None, None, :]
         return self._window_masks[key]
 
+    def explicit_causal_mask(self, index: int) -> torch.Tensor:
+        """Prefill sequence `index`'s causal mask, materialized even where `is_causal` would do
+        (DSA scores and masks every query explicitly, as transformers does)."""
+        seq = self.prefill[index]
+        if seq.mask is not None:
+            return seq.mask
+        key = ("causal", index)
+        if key not in self._window_masks:
+            ones = torch.ones(seq.query_len, seq.context_len, dtype=torch.bool, device=self.slot_mapping.device)
+            self._window_masks[key] = ones.tril()
+        return self._window_masks[key]
+
     def prefill_mask_for(self, index: int, window: int | None) -> torch.Tensor | None:
         """The mask of prefill sequence `index` with a sliding window (None: `is_causal` suffices)."""
         seq = self.prefill[index]

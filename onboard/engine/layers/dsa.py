@@ -105,9 +105,7 @@ class Indexer(torch.nn.Module):
                 if seq.block_table is None
                 else ctx.backend.context(ctx.cache, "index_k", self.layer_idx, seq)
             )
-            mask = meta.prefill_mask_for(i, None)
-            if mask is None:
-                mask = torch.ones(seq.query_len, seq.context_len, dtype=torch.bool, device=x.device).tril()
+            mask = meta.explicit_causal_mask(i)
             scores = self.scores(q[seq.start : seq.end], w[seq.start : seq.end], keys).masked_fill(~mask, float("-inf"))
             chosen = scores.topk(self.topk, dim=-1).indices
             prefill.append(torch.zeros_like(mask).scatter_(-1, chosen, True) & mask)

@@ -93,9 +93,11 @@ class MLAttention(torch.nn.Module):
         self.kv_b_proj = weights.linear(f"{prefix}.kv_b_proj")
         self.o_proj = weights.linear(f"{prefix}.o_proj")
         self.absorbable = self.kv_b_proj.act_quant is None
-        kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
-        self.w_uk = kv_b[:, : self.nope].contiguous()  # [h, nope, rank]
-        self.w_uv_t = kv_b[:, self.nope :].transpose(1, 2).contiguous()  # [h, rank, v]
+        self.w_uk = self.w_uv_t = None
+        if self.absorbable:
+            kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+            self.w_uk = kv_b[:, : self.nope].contiguous()  # [h, nope, rank]
+            self.w_uv_t = kv_b[:, self.nope :].transpose(1, 2).contiguous()  # [h, rank, v]
         self.indexer = indexer
         self.shares_selection = shares_selection
 
@@ -135,7 +137,6 @@ class MLAttention(torch.nn.Module):
         query = torch.cat([q_pass, q_rot], dim=-1)
 
         selection: Selection | None = None
-        dsa = self.indexer is not None or self.shares_selection
         if self.indexer is not None:
             selection = self.indexer.select(x, q_resid, ctx)
             ctx.tables["dsa_selection"] = selection
@@ -167,13 +168,12 @@ class MLAttention(torch.nn.Module):
             else:
                 latent = ctx.backend.context(ctx.cache, "latent", self.layer_idx, seq)[:, 0]
                 c_i, kr_i = latent[:, :rank], latent[:, rank:]
-            mask = meta.prefill_mask_for(i, None)
-            if dsa:  # transformers always materializes the mask of a sparse-attention layer
-                if mask is None:
-                    mask = torch.ones(seq.query_len, seq.context_len, dtype=torch.bool, device=x.device).tril()
-                chosen = selection.prefill[i] if selection is not None else None
-                if chosen is not None:
-                    mask = mask & chosen
+            if selection is None:
+                mask = meta.prefill_mask_for(i, None)
+            else:  # the selection (already causal), or where it is every key the explicit causal mask:
+                # transformers always materializes the mask of a sparse-attention layer
+                chosen = selection.prefill[i]
+                mask = meta.explicit_causal_mask(i) if chosen is None else chosen
             outputs.append((seq, self._expanded(query[seq.start : seq.end], c_i, kr_i, mask, ctx)))
         out = merge_rows(query.new_empty(t, h, self.v_dim), meta, outputs, decode_out)
         return self.o_proj.forward(out.reshape(t, h * self.v_dim))
