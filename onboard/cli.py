@@ -10,11 +10,13 @@ import typer
 from onboard.cli_engine import adapt, bench, bench_kv, serve
 from onboard.cli_options import (
     AlgorithmOpt,
+    ApiKeyOpt,
     BaseOpt,
     BudgetOpt,
     CalibOpt,
     DataOpt,
     DeviceOpt,
+    EndpointOpt,
     JunitOpt,
     MaxTokOpt,
     PickleOpt,
@@ -24,8 +26,10 @@ from onboard.cli_options import (
     SchemeOpt,
     SearchTokOpt,
     SeqLenOpt,
+    ServedModelOpt,
     StepsOpt,
     check_device,
+    endpoint_spec,
     existing_data,
 )
 from onboard.cli_quant import bench_quant
@@ -79,21 +83,40 @@ def evaluate(
     run_dir: Annotated[Path, typer.Argument(help="a run directory with a finished quantize stage")],
     data: DataOpt = None,
     max_tokens: MaxTokOpt = None,
+    window: Annotated[int | None, typer.Option(help="tokens per scored window (default: the recipe's)")] = None,
     out: Annotated[Path | None, typer.Option(help="also write the statistics to this JSON file")] = None,
+    endpoint: EndpointOpt = None,
+    served_model: ServedModelOpt = None,
+    api_key: ApiKeyOpt = None,
+    top_logprobs: Annotated[
+        int, typer.Option(help="with --endpoint: log-probabilities per position (-1: the whole vocabulary)")
+    ] = 20,
 ) -> None:
-    """KL divergence of the artifact's next-token distributions against the original model."""
+    """KL divergence of the artifact's next-token distributions against the original model; with
+    --endpoint, of the model that server serves (top-k log-probabilities plus a rest bucket: a lower
+    bound of the KL, exact with --top-logprobs -1), into RUN_DIR/endpoints/NAME/eval/kl.json."""
     from onboard.evaluate.stage import run_eval
     from onboard.recipes import with_overrides
     from onboard.workspace import MANIFEST, RunDir
 
     run = RunDir(run_dir)
-    recipe = with_overrides(run.recipe(), {"--max-tokens": ("eval.max_tokens", max_tokens)})
+    recipe = with_overrides(
+        run.recipe(), {"--max-tokens": ("eval.max_tokens", max_tokens), "--window": ("eval.window", window)}
+    )
     if not (run_dir / MANIFEST).is_file():
         raise OnboardError(f"{run_dir} is not a run directory (no {MANIFEST}); run `onboard quantize` first")
     data = existing_data(data)
+    spec = endpoint_spec(endpoint, served_model, api_key)
+    if top_logprobs < 1 and top_logprobs != -1:
+        raise OnboardError(f"--top-logprobs must be at least 1, or -1 for the whole vocabulary, not {top_logprobs}")
     with run:
         run.require("quantize")
-        run_eval(run, recipe.eval, data, out)
+        if spec is None:
+            run_eval(run, recipe.eval, data, out)
+        else:
+            from onboard.evaluate.endpoint import run_endpoint_eval
+
+            run_endpoint_eval(run, recipe.eval, data, spec, top_logprobs, out)
 
 
 @app.command()
@@ -111,14 +134,35 @@ def speculator(
         Path | None, typer.Option(help="train on this checkpoint's responses and states (e.g. the BF16 original)")
     ] = None,
     device: DeviceOpt = "cpu",
+    endpoint: Annotated[
+        str | None,
+        typer.Option(help="measure the speculator this server (vLLM, onboard serve) runs instead; no training"),
+    ] = None,
+    served_model: ServedModelOpt = None,
+    api_key: ApiKeyOpt = None,
 ) -> None:
-    """Train an EAGLE-3 draft on the artifact's own responses and hidden states; export; measure."""
+    """Train an EAGLE-3 draft on the artifact's own responses and hidden states; export; measure.
+    With --endpoint, only measure: the acceptance of the server's speculator on the held-out prompts
+    (DATA's last rows or the eval split), from its /metrics counters, into
+    RUN_DIR/endpoints/NAME/speculator/metrics.json."""
     from onboard.recipes import with_overrides
     from onboard.speculator.stage import run_speculator
     from onboard.workspace import MANIFEST, RunDir
 
     if not (run_dir / MANIFEST).is_file():
         raise OnboardError(f"{run_dir} is not a run directory (no {MANIFEST}); run `onboard quantize` first")
+    spec = endpoint_spec(endpoint, served_model, api_key)
+    if spec is not None:
+        training = {
+            "--num-speculative-tokens": num_speculative_tokens,
+            "--epochs": epochs,
+            "--num-prompts": num_prompts,
+            "--responses-per-prompt": responses_per_prompt,
+            "--states-from": states_from,
+        }
+        given = [flag for flag, value in training.items() if value is not None]
+        if given:
+            raise OnboardError(f"{', '.join(given)}: options of training; --endpoint only measures the server's")
     run = RunDir(run_dir)
     recipe = with_overrides(
         run.recipe(),
@@ -134,7 +178,12 @@ def speculator(
     if states_from is not None and not (states_from / "config.json").is_file():
         raise OnboardError(f"--states-from {states_from}: not a checkpoint directory (no config.json)")
     with run:
-        run_speculator(run, recipe.speculator, data, states_from, device)
+        if spec is None:
+            run_speculator(run, recipe.speculator, data, states_from, device)
+        else:
+            from onboard.speculator.endpoint import run_endpoint_speculator
+
+            run_endpoint_speculator(run, recipe.speculator, data, spec)
 
 
 @app.command()

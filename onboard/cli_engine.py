@@ -45,7 +45,13 @@ def adapt(
 
 
 def bench(
-    path: Annotated[Path, typer.Argument(help="a run directory (its artifact) or a checkpoint directory")],
+    path: Annotated[
+        Path,
+        typer.Argument(
+            help="a run directory (its artifact) or a checkpoint directory; with --endpoint, only its tokenizer "
+            "is used, to render the prompts every server gets"
+        ),
+    ],
     data: Annotated[Path | None, typer.Option(help="prompts (default: the project's eval split)")] = None,
     out: Annotated[Path | None, typer.Option(help="also write the figures to this JSON file")] = None,
     speculator: Annotated[
@@ -55,16 +61,61 @@ def bench(
         list[Path] | None, typer.Option(help="with --speculator: other speculator exports to measure alongside")
     ] = None,
     num_prompts: Annotated[int, typer.Option(help="with --speculator: held-out prompts")] = 24,
-    max_tokens: Annotated[int, typer.Option(help="with --speculator: tokens generated per prompt")] = 96,
+    max_tokens: Annotated[
+        int | None, typer.Option(min=1, help="tokens generated per request (--speculator: 96, --endpoint: 64)")
+    ] = None,
     device: DeviceOpt = "cpu",
+    endpoint: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="load-test this OpenAI-compatible server (vLLM, SGLang, onboard serve) instead; repeat it to "
+            "compare servers side by side"
+        ),
+    ] = None,
+    served_model: Annotated[
+        list[str] | None,
+        typer.Option(help="with --endpoint: the model id, one for all or one per --endpoint (default: the only one)"),
+    ] = None,
+    api_key: Annotated[
+        str | None, typer.Option(help="with --endpoint: sent as `Authorization: Bearer KEY` to every server")
+    ] = None,
+    concurrency: Annotated[
+        str | None, typer.Option(help="with --endpoint: requests in flight, a sweep, comma-separated (default: 1,4,16)")
+    ] = None,
+    num_requests: Annotated[
+        int | None,
+        typer.Option(min=1, help="with --endpoint: requests per concurrency level (default: 4 x concurrency, >= 8)"),
+    ] = None,
 ) -> None:
     """Engine against transformers.generate: tokens/s at concurrency 1 and 16, prefix-cache TTFT;
-    with --speculator, the speculator's acceptance and speed-up in the engine instead."""
+    with --speculator, the speculator's acceptance and speed-up in the engine instead; with
+    --endpoint, servers under load (streamed completions at each --concurrency: TTFT, inter-token
+    latency, time per output token, end-to-end latency, tokens/s), side by side."""
     from onboard import atomic
     from onboard.console import console
     from onboard.models import inspect_checkpoint
 
     model_dir = model_dir_of(path)
+    if endpoint:
+        from onboard.bench_kv import parse_positive_ints
+        from onboard.bench_serve import CONCURRENCY, MAX_TOKENS, endpoint_specs, print_table, run_serve_bench
+
+        if speculator or compare:
+            raise OnboardError("--speculator and --compare measure in the engine; --endpoint measures servers")
+        if not (model_dir / "config.json").is_file():
+            raise OnboardError(f"{model_dir} has no config.json: not a checkpoint (or a run without an artifact)")
+        specs = endpoint_specs(endpoint, served_model, api_key)
+        levels = parse_positive_ints("--concurrency", concurrency or CONCURRENCY)
+        result = run_serve_bench(model_dir, specs, existing_data(data), levels, max_tokens or MAX_TOKENS, num_requests)
+        print_table(result)
+        if out:
+            atomic.write_json(out, result)
+        return
+    given = {"--served-model": served_model, "--api-key": api_key, "--concurrency": concurrency}
+    given["--num-requests"] = num_requests
+    for flag, value in given.items():
+        if value:
+            raise OnboardError(f"{flag} needs --endpoint")
     checkpoint = inspect_checkpoint(model_dir)
     device = check_device(device)
     if speculator:
@@ -77,7 +128,7 @@ def bench(
             if not (other / "config.json").is_file():
                 raise OnboardError(f"--compare {other}: not a speculator export (no config.json)")
         result = run_spec_bench(
-            model_dir, draft_dir, compare or [], existing_data(data), num_prompts, max_tokens, device
+            model_dir, draft_dir, compare or [], existing_data(data), num_prompts, max_tokens or 96, device
         )
     else:
         from onboard.bench import bench_table, run_bench
@@ -109,20 +160,72 @@ def bench_kv(
 
 def serve(
     path: Annotated[Path, typer.Argument(help="a run directory (its artifact) or a checkpoint directory")],
+    engine: Annotated[
+        str, typer.Option(help="onboard (the built-in server) | vllm | sglang (print their command; --exec runs it)")
+    ] = "onboard",
     host: Annotated[str, typer.Option(help="address to bind (127.0.0.1: this machine only)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8000,
     api_key: Annotated[str | None, typer.Option(help="require `Authorization: Bearer KEY` (not on /health)")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="the model id (default: the directory name)")] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="prompt + completion tokens (default: 4096)")] = None,
-    device: DeviceOpt = "cpu",
+    max_model_len: Annotated[
+        int | None,
+        typer.Option(help="prompt + completion tokens (default: 4096; vllm/sglang: max_position_embeddings)"),
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option(help="--engine onboard: torch device the engine runs on (cpu, cuda, cuda:1, ...)")
+    ] = None,
     speculator: Annotated[
-        Path | None, typer.Option(help="an EAGLE-3 export (e.g. RUN_DIR/artifact/speculator): speculative decoding")
+        Path | None,
+        typer.Option(
+            help="an EAGLE-3 export (e.g. RUN_DIR/artifact/speculator): speculative decoding "
+            "(vllm/sglang: the artifact's own speculator/ when there is one)"
+        ),
     ] = None,
     num_speculative_tokens: Annotated[
         int | None, typer.Option(min=1, help="with --speculator: tokens proposed per step (default: the export's)")
     ] = None,
+    tp: Annotated[int | None, typer.Option(min=1, help="vllm/sglang: tensor-parallel GPUs")] = None,
+    execute: Annotated[
+        bool, typer.Option("--exec", help="vllm/sglang: run the command in place of onboard (else only print it)")
+    ] = False,
+    python: Annotated[
+        str | None, typer.Option(help="vllm/sglang: the interpreter that has the engine (default: this one)")
+    ] = None,
+    max_logprobs: Annotated[
+        int,
+        typer.Option(min=-1, help="most logprobs / top_logprobs / prompt_logprobs per request (-1: no limit)"),
+    ] = 20,
 ) -> None:
-    """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics) on the engine."""
+    """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics) on the engine;
+    with --engine vllm|sglang, the production engine's command for the artifact (RUN_DIR/serve/ENGINE.sh)."""
+    from onboard import deploy
+
+    engine = deploy.check_engine_name(engine)
+    if engine != "onboard":
+        if device is not None:
+            raise OnboardError(f"--device is an option of the built-in engine, not of --engine {engine}")
+        if engine == "sglang" and max_logprobs != 20:  # vLLM's default and ours
+            raise OnboardError("--max-logprobs applies to vllm and the built-in engine, not to --engine sglang")
+        deploy.serve_external(
+            path,
+            engine,
+            python=python,
+            host=host,
+            port=port,
+            served_model_name=served_model_name,
+            api_key=api_key,
+            tensor_parallel=tp,
+            max_model_len=max_model_len,
+            speculator=speculator,
+            num_speculative_tokens=num_speculative_tokens,
+            max_logprobs=max_logprobs,
+            execute=execute,
+        )
+        return
+    for flag, value in (("--tp", tp), ("--exec", execute or None), ("--python", python)):
+        if value is not None:
+            raise OnboardError(f"{flag} is an option of --engine vllm|sglang, not of the built-in engine")
+
     from onboard.engine.config import EngineConfig
     from onboard.server import serve as run_server
 
@@ -131,8 +234,8 @@ def serve(
         raise OnboardError(f"{model_dir} has no config.json: not a checkpoint (or a run without an artifact)")
     if speculator is not None and not (speculator / "config.json").is_file():
         raise OnboardError(f"--speculator {speculator}: not a speculator export (no config.json)")
-    device = check_device(device)
-    config = EngineConfig(max_model_len=max_model_len) if max_model_len else EngineConfig()
+    device = check_device(device or "cpu")
+    config = EngineConfig(**({"max_model_len": max_model_len} if max_model_len else {}), max_logprobs=max_logprobs)
     name = served_model_name or path.resolve().name
     run_server(
         model_dir,

@@ -25,6 +25,11 @@ DeviceOpt = Annotated[str, typer.Option(help="torch device the engine runs on (c
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 DtypeOpt = Annotated[str, typer.Option(help="bf16 | fp32: the dtype both sides compute in (fp32: plain checkpoints)")]
 MaxTokOpt = Annotated[int | None, typer.Option(help="held-out tokens to score (default: the recipe's)")]
+EndpointOpt = Annotated[
+    str | None, typer.Option(help="check this OpenAI-compatible server (vLLM, SGLang, onboard serve) instead")
+]
+ServedModelOpt = Annotated[str | None, typer.Option(help="with --endpoint: the model id (default: the only one)")]
+ApiKeyOpt = Annotated[str | None, typer.Option(help="with --endpoint: sent as `Authorization: Bearer KEY`")]
 
 
 def existing_data(path: Path | None) -> Path | None:
@@ -81,3 +86,16 @@ def check_device(device: str) -> str:
     if parsed.type not in ("cpu", "cuda"):
         raise OnboardError(f"--device {device}: the engine runs on cpu or cuda")
     return device
+
+
+def endpoint_spec(url: str | None, served_model: str | None, api_key: str | None):
+    """`--endpoint` and its companions as an EndpointSpec (None without --endpoint)."""
+    from onboard.errors import OnboardError
+
+    if url is None:
+        if served_model or api_key:
+            raise OnboardError("--served-model and --api-key need --endpoint")
+        return None
+    from onboard.endpoint import EndpointSpec
+
+    return EndpointSpec(url, served_model, api_key)

@@ -5,7 +5,17 @@ from typing import Annotated
 
 import typer
 
-from onboard.cli_options import DataOpt, DeviceOpt, JunitOpt, check_device, existing_data
+from onboard.cli_options import (
+    ApiKeyOpt,
+    DataOpt,
+    DeviceOpt,
+    EndpointOpt,
+    JunitOpt,
+    ServedModelOpt,
+    check_device,
+    endpoint_spec,
+    existing_data,
+)
 from onboard.errors import OnboardError
 
 RunDirArg = Annotated[Path, typer.Argument(help="a run directory")]
@@ -25,9 +35,17 @@ def smoke(
     num_prompts: Annotated[int | None, typer.Option(help="prompts (default: the recipe's)")] = None,
     max_tokens: Annotated[int | None, typer.Option(help="tokens generated per prompt (default: the recipe's)")] = None,
     device: DeviceOpt = "cpu",
+    endpoint: EndpointOpt = None,
+    served_model: ServedModelOpt = None,
+    api_key: ApiKeyOpt = None,
+    reference_endpoint: Annotated[
+        str | None, typer.Option(help="with --endpoint: a second server as the reference (default: the local engine)")
+    ] = None,
+    reference_model: Annotated[str | None, typer.Option(help="with --reference-endpoint: its model id")] = None,
 ) -> None:
     """Token loops, run-ons, mode and entropy collapse, garbage and batch invariance: the artifact
-    (with its speculator) against the unquantized reference on the same prompts."""
+    (with its speculator) against the unquantized reference on the same prompts; with --endpoint,
+    what that server generates, into RUN_DIR/endpoints/NAME/smoke/smoke.json."""
     from onboard.recipes import with_overrides
     from onboard.smoke.stage import run_smoke
     from onboard.workspace import RunDir
@@ -38,9 +56,18 @@ def smoke(
         {"--num-prompts": ("smoke.num_prompts", num_prompts), "--max-tokens": ("smoke.max_tokens", max_tokens)},
     )
     data, device = existing_data(data), check_device(device)
+    spec = endpoint_spec(endpoint, served_model, api_key)
+    if reference_endpoint and spec is None:
+        raise OnboardError("--reference-endpoint needs --endpoint")
+    reference_spec = endpoint_spec(reference_endpoint, reference_model, api_key if reference_endpoint else None)
     with run:
         run.require("quantize")
-        run_smoke(run, recipe.smoke, data, device)
+        if spec is None:
+            run_smoke(run, recipe.smoke, data, device)
+        else:
+            from onboard.smoke.endpoint import run_endpoint_smoke
+
+            run_endpoint_smoke(run, recipe.smoke, data, spec, reference_spec, device)
 
 
 def report(run_dir: RunDirArg) -> None:

@@ -252,6 +252,11 @@ def make_cases(i: Inputs) -> dict[str, Case]:
             ["--max-tokens", "0"],
             i.existing_dir,
         ),
+        "eval_window_1": Case(
+            ["eval", str(i.existing_dir), "--window", "1"],
+            ["--window", "1"],
+            i.existing_dir,
+        ),
         "speculator_not_a_run_dir": Case(
             ["speculator", str(i.existing_dir)],
             ["not a run directory"],
@@ -400,6 +405,7 @@ CASES = [
     "calib_empty_file",
     "calib_textless_dir",
     "eval_max_tokens_0",
+    "eval_window_1",
     "speculator_not_a_run_dir",
     "smoke_not_a_run_dir",
     "report_not_a_run_dir",

@@ -10,7 +10,7 @@ from rich.table import Table
 from onboard import atomic
 from onboard.adapt.parity import compare_greedy, compare_logits
 from onboard.console import console
-from onboard.data import builtin_records, tokenize_records
+from onboard.data import builtin_records, chat_prompts
 from onboard.errors import OnboardError
 from onboard.evaluate.kl import KLStats
 from onboard.hashing import fingerprint
@@ -18,6 +18,7 @@ from onboard.models import Checkpoint, load_model, load_tokenizer
 from onboard.workspace import RunDir, Stage
 
 NUM_PROMPTS = 16
+MAX_PROMPT_TOKENS = 192
 MAX_NEW_TOKENS = 64
 TOP = 5
 
@@ -35,8 +36,12 @@ def engine_model_for(checkpoint: Checkpoint) -> str:
 
 
 def parity_prompts(tokenizer, num_prompts: int = NUM_PROMPTS) -> list[list[int]]:
-    records = builtin_records("eval")[:num_prompts]
-    return tokenize_records(records, tokenizer, chat=True, max_length=192)
+    """The first `num_prompts` built-in eval prompts of at most MAX_PROMPT_TOKENS. Longer ones are
+    skipped, not cut: parity is checked on prompts as they are served, assistant header included."""
+    prompts = chat_prompts(
+        builtin_records("eval"), tokenizer, max_tokens=MAX_PROMPT_TOKENS, fit="skip", limit=num_prompts
+    )
+    return [p.token_ids for p in prompts]
 
 
 @torch.inference_mode()

@@ -8,19 +8,21 @@ from onboard.data.failure import data_error
 from onboard.data.record import Record
 
 
-def render(record: Record, tokenizer: Any, *, chat: bool) -> str:
+def render(record: Record, tokenizer: Any, *, chat: bool, generation_prompt: bool | None = None) -> str:
     """The record as the model would see it: through the tokenizer's chat template when
     `chat` is set and the tokenizer has one (a text record becomes one user turn), else
-    plain text, with a conversation's turn contents joined by blank lines."""
+    plain text, with a conversation's turn contents joined by blank lines. The template
+    opens an assistant turn after it when `generation_prompt` is set (None: when the
+    conversation ends on a user turn)."""
     if _templated(tokenizer, chat):
         if record.messages is not None:
             turns = [{"role": m.role, "content": m.content} for m in record.messages]
         else:
             turns = [{"role": "user", "content": record.text}]
+        if generation_prompt is None:
+            generation_prompt = turns[-1]["role"] == "user"
         try:
-            rendered = tokenizer.apply_chat_template(
-                turns, tokenize=False, add_generation_prompt=turns[-1]["role"] == "user"
-            )
+            rendered = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
         except Exception as exc:  # jinja2 errors, including the template's raise_exception
             raise data_error(f"{record.source}: the chat template rejected it: {exc}") from None
         return str(rendered)
@@ -29,19 +31,24 @@ def render(record: Record, tokenizer: Any, *, chat: bool) -> str:
     return "\n\n".join(m.content for m in record.messages or ())
 
 
+def encode(record: Record, tokenizer: Any, *, chat: bool, generation_prompt: bool | None = None) -> list[int]:
+    """Token ids of the rendered record (see `render`). A chat template writes its own BOS
+    and special tokens, so they are added only to plain text: adding them again would
+    double them."""
+    text = render(record, tokenizer, chat=chat, generation_prompt=generation_prompt)
+    return list(tokenizer.encode(text, add_special_tokens=not _templated(tokenizer, chat)))
+
+
 def tokenize_records(records: Iterable[Record], tokenizer: Any, *, chat: bool, max_length: int) -> list[list[int]]:
-    """Token ids of each rendered record, cut to `max_length`; empty results are dropped."""
+    """Token ids of each rendered record, cut to `max_length`; empty results are dropped.
+    For documents cut into windows; prompts a model answers come from `chat_prompts`."""
     if max_length < 1:
         raise ValueError(f"max_length must be at least 1, got {max_length}")
-    # A chat template writes its own BOS and special tokens; adding them again would
-    # double them.
-    add_special_tokens = not _templated(tokenizer, chat)
     token_lists = []
     for record in records:
-        text = render(record, tokenizer, chat=chat)
-        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)[:max_length]
+        ids = encode(record, tokenizer, chat=chat)[:max_length]
         if ids:
-            token_lists.append(list(ids))
+            token_lists.append(ids)
     return token_lists
 
 

@@ -19,10 +19,15 @@ class EngineConfig:
     # Reusing cached prefix blocks changes how many rows a prefill runs, and CPU GEMM kernels
     # may then sum in another order: exact-parity checks switch it off.
     enable_prefix_caching: bool = True
+    # Most top logprobs a request may ask for, per generated or prompt token (vLLM's --max-logprobs);
+    # -1: no limit (the whole vocabulary).
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if self.numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, not {self.numerics!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, not {self.max_logprobs!r}")
 
 
 NUMERICS = ("exact", "fast")

@@ -10,6 +10,7 @@ import torch
 from onboard.engine.block_manager import BlockManager
 from onboard.engine.config import EngineConfig
 from onboard.engine.grammar import GrammarFactory, GrammarSpec, RequestGrammar
+from onboard.engine.logprobs import token_logprobs
 from onboard.engine.model_runner import ModelRunner
 from onboard.engine.sampler import Sampler, SamplingParams
 from onboard.engine.scheduler import ScheduledSeq, Scheduler
@@ -31,6 +32,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_completion_tokens: int
     logprobs: list[dict] = field(default_factory=list)  # per new token: {"token", "logprob", "top"}
+    # With `SamplingParams.prompt_logprobs`, on the request's first output only: per prompt position
+    # None (the first) or {"token", "logprob", "rank", "top"} (`onboard.engine.logprobs`).
+    prompt_logprobs: list[dict | None] | None = None
 
 
 @dataclass
@@ -42,6 +46,8 @@ class _Request:
     text: str = ""
     emitted: int = 0  # characters of `text` already returned
     logprobs: list[dict] = field(default_factory=list)
+    # Prompt positions scored so far while prefilling; None when not asked for or already returned.
+    prompt_logprobs: list[dict | None] | None = None
 
 
 @dataclass
@@ -50,6 +56,7 @@ class Completion:
     text: str
     finish_reason: str | None
     logprobs: list[dict]
+    prompt_logprobs: list[dict | None] | None = None
 
 
 class LLMEngine:
@@ -169,7 +176,7 @@ class LLMEngine:
         self, prompt_token_ids: list[int], params: SamplingParams, grammar: GrammarSpec | None = None
     ) -> int:
         """Queue a request; raises ValueError on bad sampling values, grammars or lengths."""
-        params.validate()
+        params.validate(self.config.max_logprobs, self.runner.vocab_size)
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab = min(len(self.tokenizer), self.runner.vocab_size)
@@ -183,7 +190,10 @@ class LLMEngine:
         matcher = self.grammars.matcher(grammar) if grammar is not None else None
         seq = Sequence(prompt_token_ids, self.config.block_size, sampling=params)
         generator = params.make_generator()
-        self.requests[seq.seq_id] = _Request(seq, params, generator, matcher)
+        request = _Request(seq, params, generator, matcher)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # nothing scores the first prompt token
+        self.requests[seq.seq_id] = request
         self.scheduler.add(seq)
         return seq.seq_id
 
@@ -204,11 +214,27 @@ class LLMEngine:
             return []
         if self.speculator is not None:
             return self._speculative_step(scheduled)
-        logits = self.runner.run(scheduled).logits
+        result = self.runner.run(scheduled)
+        self._score_prompts(scheduled, result.prompt_logits)
+        logits = result.logits
         sampling = [item for item in scheduled if item.samples]
         sampled = self._sample(sampling, logits) if sampling else {}
         self.scheduler.postprocess(scheduled, {seq_id: token for seq_id, (token, _) in sampled.items()})
         return [self._advance(self.requests[seq_id], token, logprob) for seq_id, (token, logprob) in sampled.items()]
+
+    def _score_prompts(self, scheduled: list[ScheduledSeq], prompt_logits: dict[int, torch.Tensor]) -> None:
+        """Turn this step's prompt-scoring logits into per-position entries right away (no [T, V]
+        outlives the step). Row j of a sequence scores the prompt token at position start + 1 + j;
+        positions scored before (recomputed after a preemption) are skipped."""
+        for item in scheduled:
+            rows = prompt_logits.get(item.seq.seq_id)
+            request = self.requests.get(item.seq.seq_id)
+            if rows is None or request is None or request.prompt_logprobs is None:
+                continue
+            start = item.seq.num_computed_tokens
+            skip = max(0, len(request.prompt_logprobs) - 1 - start)
+            targets = item.seq.token_ids[start + 1 + skip : start + 1 + len(rows)]
+            request.prompt_logprobs += token_logprobs(rows[skip:], targets, request.params.prompt_logprobs)
 
     def _sample(self, items: list[ScheduledSeq], logits: torch.Tensor) -> dict[int, tuple[int, dict | None]]:
         requests = [self.requests[item.seq.seq_id] for item in items]
@@ -239,6 +265,7 @@ class LLMEngine:
         ready = len(text) if reason else max(0, len(text.rstrip("\ufffd")) - stop_holdback(params))
         new_text = text[request.emitted : ready]
         request.emitted = max(request.emitted, ready)
+        prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None  # with the first output
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self.requests.pop(seq.seq_id, None)
@@ -253,6 +280,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_completion_tokens=len(completion),
             logprobs=[logprob] if logprob is not None else [],
+            prompt_logprobs=prompt_logprobs,
         )
 
     # -- speculative decoding (spec_decode.py) --------------------------------------------------
@@ -280,6 +308,7 @@ class LLMEngine:
 
         starts = [item.seq.num_computed_tokens for item in scheduled]
         result = self.runner.run(scheduled, aux_layers=spec.aux_layers)
+        self._score_prompts(scheduled, result.prompt_logits)
         logits, aux = result.logits, result.aux
         # Logits rows, in order: every new token of a verifying sequence, the last of a plain one.
         plain, plain_rows, spec_rows = [], [], {}
@@ -357,15 +386,18 @@ class LLMEngine:
         tokens: dict[int, list[int]] = {i: [] for i in ids}
         texts: dict[int, str] = dict.fromkeys(ids, "")
         logprobs: dict[int, list[dict]] = {i: [] for i in ids}
+        prompt_logprobs: dict[int, list[dict | None] | None] = dict.fromkeys(ids)
         reasons: dict[int, str | None] = dict.fromkeys(ids)
         while self.has_unfinished():
             for out in self.step():
                 tokens[out.request_id] += out.new_token_ids
                 texts[out.request_id] += out.new_text
                 logprobs[out.request_id] += out.logprobs
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 if out.finished:
                     reasons[out.request_id] = out.finish_reason
-        return [Completion(tokens[i], texts[i], reasons[i], logprobs[i]) for i in ids]
+        return [Completion(tokens[i], texts[i], reasons[i], logprobs[i], prompt_logprobs[i]) for i in ids]
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], trace: dict | None = None) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Turns one scheduled step into a forward pass over the paged KV cache: logits and aux states."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,11 +18,23 @@ from onboard.engine.weights import CheckpointWeights
 
 @dataclass
 class StepResult:
-    """float32 logits of the step's logits rows (in `prepare`'s order) and the aux hidden states
-    `[T, len(aux_layers) * H]` of every computed token (None when no aux layer was asked for)."""
+    """float32 logits of the step's sampling and verification rows (in `prepare`'s order), the aux
+    hidden states `[T, len(aux_layers) * H]` of every computed token (None when no aux layer was
+    asked for), and per sequence scoring its prompt (seq_id ->) the float32 logits
+    `[item.num_prompt_rows, V]` of its leading new tokens, each scoring the prompt token after it."""
 
     logits: torch.Tensor
     aux: torch.Tensor | None
+    prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def logits_rows(item: ScheduledSeq) -> tuple[int, int]:
+    """(prompt-scoring rows, sampling/verification rows) of one scheduled sequence: its first
+    `num_prompt_rows` new tokens, then every new token when verifying proposals, else the last
+    one when it samples. The two never overlap, and they are contiguous when both are there."""
+    if item.num_proposals:
+        return item.num_prompt_rows, item.num_new_tokens
+    return item.num_prompt_rows, int(item.samples)
 
 
 class ModelRunner:
@@ -38,13 +50,14 @@ class ModelRunner:
         self.vocab_size = self.hf_config.get_text_config().vocab_size
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
-        """The step's inputs.  Logits rows: the last token of every sampling sequence, and every
-        new token of a sequence verifying draft proposals (`item.num_proposals > 0`)."""
+        """The step's inputs.  Logits rows, sequence by sequence in position order (`logits_rows`):
+        the new tokens scoring the next prompt token (prompt logprobs), then the last token of a
+        sampling sequence, or every new token of one verifying draft proposals."""
         block_size = self.config.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_lens, context_lens, tables, logits_rows, decoding = [], [], [], [], []
+        query_lens, context_lens, tables, logits_indices, decoding = [], [], [], [], []
         for item in scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
@@ -58,10 +71,9 @@ class ModelRunner:
             context_lens.append(end)
             tables.append(table)
             decoding.append(start >= seq.num_prompt_tokens)
-            if item.num_proposals:
-                logits_rows.extend(range(first_row, len(input_ids)))
-            elif item.samples:
-                logits_rows.append(len(input_ids) - 1)
+            num_prompt, num_sampled = logits_rows(item)
+            logits_indices.extend(range(first_row, first_row + num_prompt))
+            logits_indices.extend(range(len(input_ids) - num_sampled, len(input_ids)))
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
         return ForwardBatch(
             input_ids=as_tensor(input_ids),
@@ -70,7 +82,7 @@ class ModelRunner:
             query_lens=query_lens,
             context_lens=context_lens,
             block_tables=tables,
-            logits_indices=as_tensor(logits_rows),
+            logits_indices=as_tensor(logits_indices),
             block_size=block_size,
             decoding=decoding,
         )
@@ -92,7 +104,19 @@ class ModelRunner:
         aux = torch.cat(out.aux_hidden_states, dim=-1) if aux_layers else None
         if len(batch.logits_indices) == 0:
             return StepResult(torch.empty(0, self.vocab_size), aux)
-        return StepResult(self.model.compute_logits(out.hidden[batch.logits_indices]), aux)
+        # One projection over all rows, in position order, so a prompt scored in one chunk gets
+        # exactly what `LLMEngine.score` computes.
+        logits = self.model.compute_logits(out.hidden[batch.logits_indices])
+        if not any(item.num_prompt_rows for item in scheduled):
+            return StepResult(logits, aux)
+        sampled, prompt_logits, row = [], {}, 0
+        for item in scheduled:
+            num_prompt, num_sampled = logits_rows(item)
+            if num_prompt:
+                prompt_logits[item.seq.seq_id] = logits[row : row + num_prompt]
+            sampled.extend(range(row + num_prompt, row + num_prompt + num_sampled))
+            row += num_prompt + num_sampled
+        return StepResult(logits[torch.tensor(sampled, dtype=torch.long, device=logits.device)], aux, prompt_logits)
 
     @torch.inference_mode()
     def forward_hidden(self, scheduled: list[ScheduledSeq], aux_layers: tuple[int, ...] = (), trace=None):

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from onboard.engine.logprobs import MAX_LOGPROBS, check_num_logprobs, num_top
+
 # Below this a temperature is treated as 0 (greedy); dividing by it would overflow (vLLM's eps).
 _GREEDY_EPS = 1e-5
-MAX_LOGPROBS = 20
 
 History = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, output token ids)
 
@@ -35,7 +36,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None  # top-N logprobs to return; 0 -> only the sampled token's
+    logprobs: int | None = None  # top-N logprobs to return; 0 -> only the sampled token's; -1 -> all
+    # Top-N logprobs at every prompt position as well (vLLM's `prompt_logprobs`; -1 -> all): the
+    # prompt is then computed afresh, never taken from the prefix cache.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI accepts a single string
@@ -49,8 +53,9 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
-    def validate(self) -> None:
-        """Raise `ValueError` with a one-line message naming the first bad field."""
+    def validate(self, max_logprobs: int = MAX_LOGPROBS, vocab_size: int | None = None) -> None:
+        """Raise `ValueError` with a one-line message naming the first bad field; `logprobs` and
+        `prompt_logprobs` may not exceed `max_logprobs` (-1: no limit; see `check_num_logprobs`)."""
         # `not (lo <= x <= hi)` also rejects NaN.
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -68,8 +73,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        check_num_logprobs("logprobs", self.logprobs, max_logprobs, vocab_size)
+        check_num_logprobs("prompt_logprobs", self.prompt_logprobs, max_logprobs, vocab_size)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -264,13 +269,14 @@ class Sampler:
             return logprobs, top, entropies
         lp = raw[torch.tensor(rows, device=raw.device)].log_softmax(dim=-1)
         entropy = (-(lp.exp() * lp).nan_to_num().sum(dim=-1)).tolist()  # -inf logprobs: 0 * -inf -> 0
-        n_max = max(params[i].logprobs or 0 for i in rows)
+        vocab = lp.shape[-1]
+        n_max = max(num_top(params[i].logprobs or 0, vocab) for i in rows)
         top_vals, top_ids = lp.topk(n_max, dim=-1) if n_max else (None, None)
         sampled = lp.gather(-1, torch.tensor([[ids[i]] for i in rows], device=raw.device)).squeeze(-1).tolist()
         for j, i in enumerate(rows):
             logprobs[i] = sampled[j]
             entropies[i] = entropy[j]
-            n = params[i].logprobs or 0
+            n = num_top(params[i].logprobs or 0, vocab)
             top[i] = (
                 list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=True)) if top_ids is not None else []
             )

@@ -5,6 +5,9 @@ admits waiting ones first come first served while the token budget, the sequence
 cache allow. A running sequence that needs a block nobody can give preempts the most recently
 arrived running sequence (possibly itself): its blocks are freed and it waits at the front of the
 queue to recompute prompt and generated tokens.
+
+A sequence that scores its prompt (prompt logprobs) never reuses cached prefix blocks, as in vLLM:
+positions served from the cache would have no logits.
 """
 
 import bisect
@@ -24,9 +27,14 @@ class ScheduledSeq:
     num_new_tokens: int
     num_proposals: int = 0  # of the new tokens, draft proposals to verify (each gets a logits row)
     samples: bool = field(init=False)  # the step ends on the sequence's last token, so it samples
+    # Of the new tokens, the leading ones whose logits score the next prompt token (prompt logprobs).
+    num_prompt_rows: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
+        start = self.seq.num_computed_tokens
+        self.samples = start + self.num_new_tokens == len(self.seq)
+        scored_end = min(start + self.num_new_tokens, self.seq.num_prompt_tokens - 1)
+        self.num_prompt_rows = max(0, scored_end - start) if self.seq.scores_prompt else 0
 
 
 class Scheduler:
@@ -90,15 +98,18 @@ class Scheduler:
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
             and len(scheduled) < self.config.max_num_seqs
-            and self.block_manager.can_allocate(self.waiting[0], reuse_prefix=self.config.enable_prefix_caching)
+            and self.block_manager.can_allocate(self.waiting[0], reuse_prefix=self._reuse_prefix(self.waiting[0]))
         ):
             seq = self.waiting.popleft()
-            self.block_manager.allocate(seq, reuse_prefix=self.config.enable_prefix_caching)
+            self.block_manager.allocate(seq, reuse_prefix=self._reuse_prefix(seq))
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             scheduled.append(ScheduledSeq(seq, min(len(seq) - seq.num_computed_tokens, budget)))
             budget -= scheduled[-1].num_new_tokens
         return scheduled
+
+    def _reuse_prefix(self, seq: Sequence) -> bool:
+        return self.config.enable_prefix_caching and not seq.scores_prompt
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.deallocate(seq)

@@ -46,6 +46,11 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def scores_prompt(self) -> bool:
+        """Its request asked for prompt logprobs: every prompt position needs its logits."""
+        return getattr(self.sampling, "prompt_logprobs", None) is not None
+
+    @property
     def num_blocks(self) -> int:
         return (len(self.token_ids) + self.block_size - 1) // self.block_size
 

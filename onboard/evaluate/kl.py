@@ -2,12 +2,46 @@
 
 Fed one chunk of positions at a time, so memory stays at [chunk x vocab] whatever the data
 size; only one float per position per statistic is kept.
+
+Two estimators, one per-token function each: `token_kl` when the candidate's whole distribution
+is known (in-process, or a server returning the full vocabulary), `partition_kl` when a server
+returns only its top-k log-probabilities. The latter is KL between the two distributions
+coarsened to {the returned tokens, one bucket for the rest}: by the data-processing inequality
+it is at most the true KL, and equal to it when the returned tokens are the whole vocabulary.
 """
 
 import math
 
 import numpy as np
 import torch
+
+
+def token_kl(ref_logp: torch.Tensor, cand_logits: torch.Tensor) -> torch.Tensor:
+    """KL(reference || candidate) per row, float64, from the reference's log-probabilities and the
+    candidate's logits (or log-probabilities) [n, vocab]: Σ p (log p - log q), 0 log 0 = 0."""
+    cand_logp = torch.log_softmax(cand_logits.float(), dim=-1)
+    p = ref_logp.exp()
+    # p = 0 terms are 0 by convention (0 * -inf would be nan for masked-out tokens).
+    return torch.where(p > 0, p * (ref_logp - cand_logp), 0.0).double().sum(-1).clamp_min(0.0)
+
+
+def partition_kl(ref_logp: torch.Tensor, token_ids: torch.Tensor, cand_logp: torch.Tensor) -> torch.Tensor:
+    """KL per row over the partition {returned tokens} + {rest}: reference log-probabilities
+    [n, vocab], the candidate's returned token ids [n, m] (-1 = padding) and their log-probabilities
+    [n, m]. A lower bound of the true KL; equal to it when the m tokens are the whole vocabulary."""
+    present = token_ids >= 0
+    ids = token_ids.clamp_min(0)
+    ref = ref_logp.double()
+    p_known = torch.where(present, ref.gather(-1, ids), -torch.inf)
+    q_known = torch.where(present, cand_logp.double(), -torch.inf)
+    kl = torch.where(present, p_known.exp() * (p_known - q_known), 0.0).sum(-1)
+    # The rest bucket: the reference's exactly (logsumexp of what was not returned), the candidate's
+    # as 1 - its returned mass, floored where rounding leaves nothing.
+    returned = torch.zeros_like(ref, dtype=torch.bool).scatter_(-1, ids, present)
+    p_rest = torch.logsumexp(ref.masked_fill(returned, -torch.inf), dim=-1)
+    q_rest = torch.log((1.0 - q_known.exp().sum(-1)).clamp_min(1e-12))
+    rest = torch.where(torch.isfinite(p_rest), p_rest.exp() * (p_rest - q_rest), 0.0)
+    return (kl + rest).clamp_min(0.0)
 
 
 class KLStats:
@@ -24,15 +58,48 @@ class KLStats:
         """Add positions: logits [n, vocab], targets [n] (the actual next tokens). Returns the KLs."""
         ref = torch.log_softmax(ref_logits.float(), dim=-1)
         quant = torch.log_softmax(quant_logits.float(), dim=-1)
-        p = ref.exp()
-        # p = 0 terms are 0 by convention (0 * -inf would be nan for masked-out tokens).
-        kl = torch.where(p > 0, p * (ref - quant), 0.0).sum(-1).clamp_min(0.0)
         top = ref.argmax(-1, keepdim=True)
+        return self._add(
+            token_kl(ref, quant),
+            quant.argmax(-1, keepdim=True) == top,
+            quant.gather(-1, top).exp() - ref.gather(-1, top).exp(),
+            -ref.gather(-1, targets[:, None]),
+            -quant.gather(-1, targets[:, None]),
+        )
+
+    def update_scored(
+        self,
+        ref_logits: torch.Tensor,
+        token_ids: torch.Tensor,
+        cand_logp: torch.Tensor,
+        cand_target_logp: torch.Tensor,
+        targets: torch.Tensor,
+    ) -> torch.Tensor:
+        """Add positions where the candidate is known only by the tokens a server returned ([n, m]
+        ids, -1 padded, and their log-probabilities) and the actual next token's log-probability.
+        The reference's top token, when the server did not return it, has at most the smallest
+        returned probability: that bound stands in for it in Δp."""
+        ref = torch.log_softmax(ref_logits.float(), dim=-1)
+        top = ref.argmax(-1, keepdim=True)
+        cand_logp = cand_logp.double()
+        cand_top = token_ids.gather(-1, cand_logp.argmax(-1, keepdim=True))
+        hit = token_ids == top
+        smallest = cand_logp.masked_fill(token_ids < 0, torch.inf).amin(-1)
+        q_top = torch.where(hit.any(-1), torch.where(hit, cand_logp, -torch.inf).amax(-1), smallest)
+        return self._add(
+            partition_kl(ref, token_ids, cand_logp),
+            cand_top == top,
+            (q_top.exp()[:, None] - ref.gather(-1, top).exp().double()).float(),
+            -ref.gather(-1, targets[:, None]),
+            -cand_target_logp.float()[:, None],
+        )
+
+    def _add(self, kl, same_top, delta_p, nll_ref, nll_quant) -> torch.Tensor:
         self._kl.append(kl)
-        self._same_top.append(quant.argmax(-1, keepdim=True) == top)
-        self._delta_p.append(quant.gather(-1, top).exp() - ref.gather(-1, top).exp())
-        self._nll_ref.append(-ref.gather(-1, targets[:, None]))
-        self._nll_quant.append(-quant.gather(-1, targets[:, None]))
+        self._same_top.append(same_top)
+        self._delta_p.append(delta_p)
+        self._nll_ref.append(nll_ref)
+        self._nll_quant.append(nll_quant)
         return kl
 
     @property

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from onboard.errors import OnboardError
+from onboard.evaluate.kl import token_kl
 from onboard.evaluate.logits import head_chunks
 
 # A module name's decoder layer index (`model.layers.3.mlp.down_proj` -> 3).
@@ -50,9 +51,8 @@ class LayerReplay:
         self.layers = decoder_layers(model)
         self.reference_inputs, hidden = self.run(0)
         with torch.inference_mode():
-            logp = torch.cat([torch.log_softmax(chunk, dim=-1) for chunk in head_chunks(self.model, hidden, CHUNK)])
-            self.reference_p = logp.exp()
-            self.reference_plogp = (self.reference_p * logp).sum(-1).double()  # Σ p log p per position
+            chunks = head_chunks(self.model, hidden, CHUNK)
+            self.reference_logp = torch.cat([torch.log_softmax(chunk, dim=-1) for chunk in chunks])
         middle = len(self.layers) // 2
         _, replayed = self.run(middle, self.reference_inputs[middle])
         if not torch.equal(replayed, hidden):
@@ -115,14 +115,11 @@ class LayerReplay:
 
     @torch.inference_mode()
     def kl(self, hidden: torch.Tensor) -> torch.Tensor:
-        """KL(reference || candidate) per position, float64, from the candidate's final hidden
-        states: Σ p log p - Σ p z + logsumexp z, with no [positions x vocab] log-softmax built."""
+        """KL(reference || candidate) per position, float64, from the candidate's final hidden states
+        (the eval's own per-token function, a chunk of positions at a time)."""
         out = []
         for index, logits in enumerate(head_chunks(self.model, hidden, CHUNK)):
-            rows = slice(index * CHUNK, index * CHUNK + len(logits))
-            cross = (self.reference_p[rows] * logits).sum(-1).double()
-            kl = self.reference_plogp[rows] - cross + torch.logsumexp(logits, dim=-1).double()
-            out.append(kl.clamp_min(0.0))
+            out.append(token_kl(self.reference_logp[index * CHUNK : index * CHUNK + len(logits)], logits))
         return torch.cat(out)
 
     def kl_from(self, start: int = 0, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:

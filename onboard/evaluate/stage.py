@@ -16,6 +16,7 @@ from onboard.evaluate.kl import KLStats
 from onboard.evaluate.logits import logit_chunks
 from onboard.evaluate.per_layer import batch_windows, layer_formats, per_layer_kl, per_layer_table
 from onboard.hashing import fingerprint
+from onboard.memory import release_freed_memory
 from onboard.models import inspect_checkpoint, load_model, load_tokenizer
 from onboard.paths import CALIBRATION_DIR
 from onboard.recipes import Eval
@@ -89,6 +90,7 @@ def measure_kl(reference, quantized, windows: list[tuple[str, list[int]]]) -> di
                 for key in ("all", traffic):
                     stats.setdefault(key, KLStats()).update(ref_chunk, quant_chunk, chunk_targets)
                 start += len(ref_chunk)
+            release_freed_memory()  # without it resident memory grows by a window's logits per window
             progress.advance(task)
     return stats
 

@@ -28,7 +28,7 @@ from onboard.server.errors import APIError, bad_value, error_response, install_e
 from onboard.server.loop import EngineDeadError, EngineLoop, RequestHandle
 from onboard.server.metrics import Metrics
 from onboard.server.protocol import SAMPLING_FIELDS, ChatCompletionRequest, CompletionRequest, GenerationRequest
-from onboard.server.responses import DONE, Accumulated, Responder, TokenText, sse
+from onboard.server.responses import DONE, Accumulated, Echo, Responder, TokenText, sse
 
 OPEN_PATHS = {"/health"}
 ROUTES = {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
@@ -82,6 +82,8 @@ class Server:
         self.tokenizer = engine.tokenizer
         self.grammars = engine.grammars
         self.max_model_len = engine.config.max_model_len
+        self.max_logprobs = engine.config.max_logprobs
+        self.model_vocab_size = engine.vocab_size  # what -1 logprobs (the whole vocabulary) returns
         self.vocab_size = min(len(engine.tokenizer), engine.vocab_size)
         self.token_text = TokenText(engine.tokenizer)
         self.created = int(time.time())
@@ -132,6 +134,16 @@ class Server:
 
     # -- submission -----------------------------------------------------------------------------
 
+    def params(
+        self, body: GenerationRequest, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
+        try:
+            return body.sampling_params(
+                max_tokens, logprobs, prompt_logprobs, max_logprobs=self.max_logprobs, vocab_size=self.model_vocab_size
+            )
+        except ValueError as err:
+            raise bad_value(err, SAMPLING_FIELDS) from None
+
     async def submit(
         self, prompt: list[int], params: SamplingParams, grammar: GrammarSpec | None, arrival: float
     ) -> RequestHandle:
@@ -147,13 +159,6 @@ class Server:
             raise bad_value(err, SAMPLING_FIELDS) from None
         except EngineDeadError as err:
             raise APIError(str(err), status=503, type_="server_error") from None
-
-
-def _params(body: GenerationRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    try:
-        return body.sampling_params(max_tokens, logprobs)
-    except ValueError as err:
-        raise bad_value(err, SAMPLING_FIELDS) from None
 
 
 async def _respond(
@@ -239,11 +244,17 @@ def build_app(engine: LLMEngine, model_name: str, *, api_key: str | None = None)
         arrival = time.monotonic()
         server.check_model(body.model)
         body.check_unsupported()
-        prompt = server.encode_completion(body.single_prompt())
+        given = body.single_prompt()
+        prompt = server.encode_completion(given)
         server.check_length(prompt, "prompt")
-        params = _params(body, body.max_tokens, body.logprobs)
+        params = server.params(body, body.engine_max_tokens(), body.logprobs, body.num_prompt_logprobs())
         handle = await server.submit(prompt, params, body.grammar(), arrival)
-        responder = Responder("completion", server.model_name, server.token_text)
+        echo = None
+        if body.echo:
+            text = given if isinstance(given, str) else server.tokenizer.decode(prompt)
+            echo = Echo(text, prompt, only=body.echo_only, num_logprobs=body.logprobs)
+        shown_ids = list(prompt) if body.return_token_ids else None
+        responder = Responder("completion", server.model_name, server.token_text, echo, shown_ids)
         return await _respond(request, body, handle, responder, body.logprobs is not None)
 
     @app.post("/v1/chat/completions")
@@ -251,14 +262,14 @@ def build_app(engine: LLMEngine, model_name: str, *, api_key: str | None = None)
         arrival = time.monotonic()
         server.check_model(body.model)
         body.check_unsupported()
-        num_logprobs = body.num_logprobs()
+        num_logprobs = body.num_logprobs(server.max_logprobs, server.model_vocab_size)
         grammar = body.grammar()
         prompt = server.encode_chat(body.chat_messages())
         server.check_length(prompt, "messages")
         max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), None)
         if max_tokens is None:  # as vLLM: whatever the context leaves (the engine refuses a prompt that fills it)
             max_tokens = max(1, server.max_model_len - len(prompt))
-        params = _params(body, max_tokens, num_logprobs)
+        params = server.params(body, max_tokens, num_logprobs, body.prompt_logprobs)
         handle = await server.submit(prompt, params, grammar, arrival)
         responder = Responder("chat", server.model_name, server.token_text)
         return await _respond(request, body, handle, responder, body.logprobs)

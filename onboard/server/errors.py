@@ -41,9 +41,10 @@ def error_response(err: APIError, headers: dict[str, str] | None = None) -> JSON
 
 
 def bad_value(err: ValueError, fields: set[str] | None = None) -> APIError:
-    """A 400 from a ValueError, naming the field when the message starts with one ("top_p must be ...")."""
+    """A 400 from a ValueError, naming the field when the message starts with one ("top_p must be ...",
+    "logprobs: requested ...")."""
     message = str(err) or "invalid request"
-    first = message.split(" ", 1)[0]
+    first = message.split(" ", 1)[0].rstrip(":")
     return APIError(message, param=first if fields and first in fields else None)
 
 

@@ -176,10 +176,13 @@ class EngineLoop:
                             self._refuse(rest, stopped)
                         return
                     self._handle(command)
-                if self.engine.has_unfinished():
-                    for output in self.engine.step():
-                        self._deliver(output)
+                outputs = self.engine.step() if self.engine.has_unfinished() else []
+                # Counters first: a client that reads /metrics right after its answer sees this step.
                 self._publish()
+                for output in outputs:
+                    self._deliver(output)
+                if outputs:
+                    self._publish()  # and the streams that just finished
         except Exception as err:  # the engine's state is unknown now: fail everything, serve no more
             log.exception("engine loop failed")
             self.error = err

@@ -12,7 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from onboard.engine.grammar import GrammarSpec
-from onboard.engine.sampler import MAX_LOGPROBS, SamplingParams
+from onboard.engine.logprobs import MAX_LOGPROBS, check_num_logprobs
+from onboard.engine.sampler import SamplingParams
 from onboard.server.errors import APIError
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
@@ -54,6 +55,8 @@ class GenerationRequest(_Body):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids on the choice
+    prompt_logprobs: int | None = None  # vLLM: top-N logprobs at every prompt position (-1: all)
     n: int | None = None
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
@@ -79,9 +82,21 @@ class GenerationRequest(_Body):
             raise APIError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed with stream=true", param="stream_options")
+        plp = self.prompt_logprobs
+        if self.stream and plp is not None and (plp > 0 or plp == -1):  # vLLM's check and message
+            raise APIError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Engine sampling parameters (OpenAI defaults where unset); ValueError names a bad field."""
+    def sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        *,
+        max_logprobs: int = MAX_LOGPROBS,
+        vocab_size: int | None = None,
+    ) -> SamplingParams:
+        """Engine sampling parameters (OpenAI defaults where unset); ValueError names a bad field.
+        `logprobs` and `prompt_logprobs` may not exceed `max_logprobs` (the server's --max-logprobs)."""
         given = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -95,9 +110,10 @@ class GenerationRequest(_Body):
             "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
             "stop_token_ids": self.stop_token_ids,
             "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
         }
         params = SamplingParams(**{k: v for k, v in given.items() if v is not None}, ignore_eos=self.ignore_eos)
-        params.validate()
+        params.validate(max_logprobs, vocab_size)
         return params
 
     def _structured(self) -> list[tuple[str, GrammarSpec]]:
@@ -153,10 +169,23 @@ class CompletionRequest(GenerationRequest):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise APIError("echo is not supported", param="echo")
         if self.suffix:
             raise APIError("suffix is not supported", param="suffix")
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt alone comes back (scored when logprobs are asked for)."""
+        return self.echo and self.max_tokens == 0
+
+    def engine_max_tokens(self) -> int | None:
+        # vLLM runs an echo-only request for one token and shows none of it.
+        return 1 if self.echo_only else self.max_tokens
+
+    def num_prompt_logprobs(self) -> int | None:
+        """vLLM: `prompt_logprobs`, else with echo the prompt is scored like the completion (`logprobs`)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt (a string or token ids); batches of several prompts are refused."""
@@ -209,13 +238,13 @@ class ChatCompletionRequest(GenerationRequest):
     def chat_messages(self) -> list[dict[str, Any]]:
         return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
 
-    def num_logprobs(self) -> int | None:
+    def num_logprobs(self, max_logprobs: int = MAX_LOGPROBS, vocab_size: int | None = None) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise APIError(
-                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", param="top_logprobs"
-            )
+        try:
+            check_num_logprobs("top_logprobs", self.top_logprobs, max_logprobs, vocab_size)
+        except ValueError as err:
+            raise APIError(str(err), param="top_logprobs") from None
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def grammar(self) -> GrammarSpec | None:

@@ -1,9 +1,9 @@
 """Detector rates for the artifact and the reference on the same prompts, and the worst examples."""
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from onboard.data import ChatPrompt
 from onboard.recipes import Smoke
 from onboard.smoke.detectors import (
     Loop,
@@ -25,13 +25,7 @@ DETECTORS = (
     ("mean entropy per step (nats)", "mean_entropy"),
     ("garbage (bad UTF-8, control characters)", "garbage_rate"),
 )
-
-
-@dataclass
-class Prompt:
-    token_ids: list[int]
-    traffic: str
-    text: str  # what a reviewer reads in the report
+SHOWN_PROMPT_CHARS = 600  # of a prompt's text, in the report
 
 
 def _rate(flags: Sequence[bool]) -> float:
@@ -117,7 +111,7 @@ def _loop_json(loop: Loop | None, output: Output, decode: Callable[[list[int]], 
 def worst_cases(
     artifact: Side,
     reference: Side,
-    prompts: Sequence[Prompt],
+    prompts: Sequence[ChatPrompt],
     decode: Callable[[list[int]], str],
     limit: int,
 ) -> list[dict[str, Any]]:
@@ -152,7 +146,7 @@ def worst_cases(
                     "kind": kind,
                     "mode": mode,
                     "traffic": prompts[i].traffic,
-                    "prompt": prompts[i].text,
+                    "prompt": prompts[i].text[:SHOWN_PROMPT_CHARS],
                     "artifact_text": mine.text,
                     "reference_text": theirs.text,
                     "artifact_loop": _loop_json(artifact.loops[mode][i], mine, decode),

@@ -18,13 +18,13 @@ from rich.table import Table
 
 from onboard import atomic
 from onboard.console import console
-from onboard.data import builtin_records, load_records, render
+from onboard.data import ChatPrompt, builtin_records, chat_prompts, load_records
 from onboard.engine.config import EngineConfig
 from onboard.engine.llm_engine import LLMEngine
 from onboard.hashing import fingerprint
 from onboard.paths import CALIBRATION_DIR
 from onboard.recipes import Smoke
-from onboard.smoke.analysis import Prompt, Side, compare, worst_cases
+from onboard.smoke.analysis import Side, compare, worst_cases
 from onboard.smoke.invariance import check_invariance, check_speculative
 from onboard.smoke.passes import generate, params_for
 from onboard.workspace import RunDir, Stage
@@ -35,7 +35,7 @@ MAX_PROMPT_TOKENS = 1024
 _NUM_BLOCKS = 8192
 
 
-def smoke_prompts(tokenizer, config: Smoke, data: Path | None) -> list[Prompt]:
+def smoke_prompts(tokenizer, config: Smoke, data: Path | None) -> list[ChatPrompt]:
     """`num_prompts` chat prompts: DATA's, or the built-in sets (eval split first, every traffic
     type interleaved). Prompts longer than MAX_PROMPT_TOKENS are skipped, not cut: a cut chat
     prompt loses its assistant header and the model would continue the user's text."""
@@ -44,20 +44,10 @@ def smoke_prompts(tokenizer, config: Smoke, data: Path | None) -> list[Prompt]:
         if data
         else builtin_records("eval", stdlib_files=0) + builtin_records("calib", stdlib_files=0)
     )
-    prompts = []
-    for record in records:
-        if len(prompts) == config.num_prompts:
-            break
-        ids = tokenizer.encode(render(record, tokenizer, chat=True), add_special_tokens=False)
-        if 0 < len(ids) <= MAX_PROMPT_TOKENS:
-            shown = record.text if record.text is not None else record.messages[-1].content
-            prompts.append(Prompt(list(ids), record.traffic, shown[:600]))
-    if not prompts:
-        raise ValueError("no usable smoke prompts")
-    return prompts
+    return chat_prompts(records, tokenizer, max_tokens=MAX_PROMPT_TOKENS, fit="skip", limit=config.num_prompts)
 
 
-def _side(engine: LLMEngine, prompts: list[Prompt], config: Smoke, label: str) -> tuple[dict, float]:
+def _side(engine: LLMEngine, prompts: list[ChatPrompt], config: Smoke, label: str) -> tuple[dict, float]:
     by_mode, tps = {}, {}
     for mode in MODES:
         params = [

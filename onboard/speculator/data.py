@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from onboard.console import console
 from onboard.data.builtin import builtin_records
 from onboard.data.load import load_records
+from onboard.data.prompts import ChatPrompt, chat_prompts
 from onboard.data.record import Record
 from onboard.data.render import tokenize_records
 from onboard.data.stdlib_code import stdlib_code_records
@@ -54,17 +55,13 @@ def split_data(data: Path, num_held_out: int) -> tuple[list[Record], list[Record
 
 def training_prompts(
     tokenizer, traffic: str, records: list[Record] | None, num_prompts: int, max_prompt_tokens: int
-) -> list[tuple[list[int], str]]:
-    """Chat-templated prompt token ids and their traffic type, in a fixed order; `records` None:
-    the project's calibration prompts of the traffic."""
+) -> list[ChatPrompt]:
+    """`num_prompts` chat prompts in a fixed order; `records` None: the project's calibration
+    prompts of the traffic. Longer ones are skipped, not cut: a cut chat prompt loses its
+    assistant header, and the target's "response" would continue the user's text."""
     if records is None:
         records = builtin_records("calib", TRAFFIC[traffic], stdlib_files=0)
-    out = []
-    for record in records[: num_prompts * 2]:  # a few may tokenize to nothing
-        ids = tokenize_records([record], tokenizer, chat=True, max_length=max_prompt_tokens)
-        if ids:
-            out.append((ids[0], record.traffic))
-    return out[:num_prompts]
+    return chat_prompts(records, tokenizer, max_tokens=max_prompt_tokens, fit="skip", limit=num_prompts)
 
 
 def teacher_forced_code(tokenizer, num_files: int, max_tokens: int) -> list[TrainingSequence]:
@@ -78,7 +75,7 @@ def teacher_forced_code(tokenizer, num_files: int, max_tokens: int) -> list[Trai
 
 def generate_responses(
     engine,
-    prompts: list[tuple[list[int], str]],
+    prompts: list[ChatPrompt],
     max_new_tokens: int,
     responses_per_prompt: int = 1,
     temperature: float = 0.8,
@@ -90,11 +87,15 @@ def generate_responses(
     from onboard.engine.sampler import SamplingParams
 
     work = [
-        (prompt, kind, SamplingParams(temperature=0.0, max_tokens=max_new_tokens))
+        (prompt.token_ids, prompt.traffic, SamplingParams(temperature=0.0, max_tokens=max_new_tokens))
         if draw == 0
-        else (prompt, kind, SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=i * 1000 + draw))
+        else (
+            prompt.token_ids,
+            prompt.traffic,
+            SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=i * 1000 + draw),
+        )
         for draw in range(responses_per_prompt)
-        for i, (prompt, kind) in enumerate(prompts)
+        for i, prompt in enumerate(prompts)
     ]
     ids = [engine.add_request(prompt, params) for prompt, _, params in work]
     tokens: dict[int, list[int]] = {i: [] for i in ids}

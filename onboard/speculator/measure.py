@@ -10,25 +10,21 @@ from rich.table import Table
 from onboard.adapt.parity import compare_greedy
 from onboard.data.builtin import builtin_records
 from onboard.data.load import load_records
-from onboard.data.render import tokenize_records
+from onboard.data.prompts import ChatPrompt, chat_prompts
+from onboard.data.record import Record
 from onboard.speculator.draft import Eagle3Draft
 
 TOP = 5  # top log-probabilities per token: what the near-tie rule compares
 
 
-def held_out_prompts(tokenizer, traffic: list[str], records: list | None, count: int, max_tokens: int = 256):
-    """(prompt ids, traffic type) from `records`, or from the eval split (never trained on)
-    round-robin by type when None."""
+def held_out_prompts(
+    tokenizer, traffic: list[str], records: list[Record] | None, count: int, max_tokens: int = 256
+) -> list[ChatPrompt]:
+    """`count` chat prompts from `records`, or from the eval split (never trained on) round-robin
+    by type when None. Longer ones are skipped, not cut, as in training (`training_prompts`)."""
     if records is None:
         records = builtin_records("eval", traffic, stdlib_files=0)
-    out = []
-    for record in records:
-        if len(out) >= count:
-            break
-        ids = tokenize_records([record], tokenizer, chat=True, max_length=max_tokens)
-        if ids:
-            out.append((ids[0], record.traffic))
-    return out
+    return chat_prompts(records, tokenizer, max_tokens=max_tokens, fit="skip", limit=count)
 
 
 def _looping(token_ids: list[int], n: int = 8, repeats: int = 3) -> bool:
@@ -43,7 +39,7 @@ def _looping(token_ids: list[int], n: int = 8, repeats: int = 3) -> bool:
     return False
 
 
-def measure_acceptance(engine, draft: Eagle3Draft, k: int, prompts: list[tuple[list[int], str]], max_tokens: int):
+def measure_acceptance(engine, draft: Eagle3Draft, k: int, prompts: list[ChatPrompt], max_tokens: int):
     """Greedy, concurrency 1, in the engine: acceptance per traffic type (and on looping and
     non-looping outputs), and wall-clock speed-up against the same engine without the draft on
     the same prompts."""
@@ -53,14 +49,14 @@ def measure_acceptance(engine, draft: Eagle3Draft, k: int, prompts: list[tuple[l
     groups: dict[str, list[int]] = {}  # name -> [drafts, accepted, accepted at position 1..k]
     plain_s = spec_s = 0.0
     exact = near_ties = tokens = 0
-    for prompt, kind in prompts:
+    for prompt in prompts:
         engine.set_speculator(None, 0)
         start = time.perf_counter()
-        (plain,) = engine.generate([prompt], params)
+        (plain,) = engine.generate([prompt.token_ids], params)
         plain_s += time.perf_counter() - start
         engine.set_speculator(draft, k)
         start = time.perf_counter()
-        (spec,) = engine.generate([prompt], params)
+        (spec,) = engine.generate([prompt.token_ids], params)
         spec_s += time.perf_counter() - start
         verdict = compare_greedy(spec.token_ids, plain.token_ids, _top(spec), _top(plain))
         exact += verdict.matched
@@ -68,7 +64,7 @@ def measure_acceptance(engine, draft: Eagle3Draft, k: int, prompts: list[tuple[l
         tokens += len(spec.token_ids)
         stats = engine.speculator.stats
         counts = [stats.num_drafts, stats.num_accepted_tokens, *stats.accepted_per_position]
-        for name in (kind, "looping" if _looping(spec.token_ids) else "not looping", "all"):
+        for name in (prompt.traffic, "looping" if _looping(spec.token_ids) else "not looping", "all"):
             groups[name] = [a + b for a, b in zip(groups.get(name, [0] * len(counts)), counts, strict=True)]
     engine.set_speculator(None, 0)
 

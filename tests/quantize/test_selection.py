@@ -245,7 +245,7 @@ def test_layer_replay_equals_the_plain_forward(selection: Selection) -> None:
     with torch.inference_mode():  # the decoder as transformers runs it, the head in float32
         hidden = replay.model.base_model(input_ids=replay.input_ids).last_hidden_state
         plain = hidden.reshape(-1, hidden.shape[-1]).float() @ replay.model.lm_head.weight.float().T
-    assert torch.allclose(torch.softmax(plain, -1), replay.reference_p, rtol=1e-5, atol=1e-9)
+    assert torch.allclose(torch.softmax(plain, -1), replay.reference_logp.exp(), rtol=1e-5, atol=1e-9)
     for start in range(1, len(replay.layers)):
         assert replay.mean_kl(start, replay.reference_inputs[start])[0] < 1e-6
 
@@ -258,7 +258,7 @@ def test_replay_kl_is_the_float64_kl(selection: Selection) -> None:
     finally:
         selection.composer.reset()
     logits = hidden.double() @ replay.model.lm_head.weight.double().T
-    reference = torch.log(replay.reference_p.double())
+    reference = replay.reference_logp.double()
     exact = (reference.exp() * (reference - torch.log_softmax(logits, -1))).sum(-1)
     assert torch.allclose(replay.kl(hidden), exact, rtol=1e-3, atol=1e-5)
     assert float(replay.kl(hidden).mean()) == pytest.approx(float(exact.mean()), rel=1e-4)

@@ -195,7 +195,7 @@ LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 60
         (CHAT, {"model": MODEL, "messages": MESSAGES, "structured_outputs": {"regex": "(unclosed"}}, None),
         (CHAT, {"model": MODEL, "messages": MESSAGES, "structured_outputs": {"json": "{not json"}}, None),
         (COMPLETIONS, {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 8}, None),
-        (COMPLETIONS, {"model": MODEL, "prompt": "hi", "echo": True}, "echo"),
+        (COMPLETIONS, {"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
         (COMPLETIONS, {"model": MODEL, "prompt": "hi", "n": 2}, "n"),
         (COMPLETIONS, {"model": MODEL, "prompt": "hi", "logprobs": 50}, "logprobs"),
         (COMPLETIONS, {"model": MODEL, "prompt": [1, 2, 10**6]}, "prompt"),
