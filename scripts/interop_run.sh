@@ -3,10 +3,11 @@
 #
 #   scripts/interop_run.sh            prepare artifacts, serve each model and probe it, run the checks
 #
-# Skeleton: stage 1 prepares the artifacts, stage 2 starts one vLLM server per model, runs the
-# checks against it (for now one prompt_logprobs completion; the parity checks go in
-# `run_checks`) and stops it. Everything runs one process after another: on 2 cores a quantize
-# beside a server (or two servers) slows both several-fold.
+# Stage 1 prepares the artifacts; stage 2 starts one vLLM server per model, probes it with one
+# prompt_logprobs completion (serves or refuses) and stops it; stage 3 runs every onboard check
+# against vLLM and `onboard serve` (scripts/interop_checks.sh) and the tests marked `interop`.
+# Everything runs one process after another: on 2 cores a quantize beside a server (or two
+# servers) slows both several-fold.
 #
 # Environment: DEMO (the bf16 checkpoint; default: `onboard demo --fetch-only`), INTEROP_DIR
 # (default runs/interop), INTEROP_PORT (default 8011), INTEROP_REQUANTIZE=1 to redo artifacts,
