@@ -42,8 +42,19 @@ def smoke_table(results: Path) -> list[str]:
         found = _load(results / f"smoke-{name}-vllm.json")
         if found is None:
             continue
-        diverged = found["invariance"]["diverged"]
-        verdict = "yes" if found["batch_invariant"] else f"no ({len(diverged)} divergences: {diverged[:2]})"
+        invariance = found["invariance"]
+        parted: dict[str, list[int]] = {}
+        for d in invariance["diverged"]:
+            parted.setdefault(d["composition"], []).append(d["first_divergence"])
+        verdict = (
+            "yes"
+            if found["batch_invariant"]
+            else "no: "
+            + "; ".join(
+                f"{len(at)} of {invariance['prompts']} parted {where} (first at tokens {min(at)}-{max(at)})"
+                for where, at in parted.items()
+            )
+        )
         lines.append(
             f"| {name} | {found['loop_rate']:.3f} | {found['reference_loop_rate']:.3f} | {found['run_on_rate']:.3f} "
             f"| {found['no_eos_rate']:.3f} | {found['distinct_2']:.3f} | {verdict} |"
