@@ -17,18 +17,20 @@ import torch
 
 
 def token_kl(ref_logp: torch.Tensor, cand_logits: torch.Tensor) -> torch.Tensor:
-    """KL(reference || candidate) per row, float64, from the reference's log-probabilities and the
+    """KL(reference || candidate) per row, float32, from the reference's log-probabilities and the
     candidate's logits (or log-probabilities) [n, vocab]: Σ p (log p - log q), 0 log 0 = 0."""
+    ref_logp = ref_logp.float()
     cand_logp = torch.log_softmax(cand_logits.float(), dim=-1)
     p = ref_logp.exp()
     # p = 0 terms are 0 by convention (0 * -inf would be nan for masked-out tokens).
-    return torch.where(p > 0, p * (ref_logp - cand_logp), 0.0).double().sum(-1).clamp_min(0.0)
+    return torch.where(p > 0, p * (ref_logp - cand_logp), 0.0).sum(-1).clamp_min(0.0)
 
 
 def partition_kl(ref_logp: torch.Tensor, token_ids: torch.Tensor, cand_logp: torch.Tensor) -> torch.Tensor:
     """KL per row over the partition {returned tokens} + {rest}: reference log-probabilities
-    [n, vocab], the candidate's returned token ids [n, m] (-1 = padding) and their log-probabilities
-    [n, m]. A lower bound of the true KL; equal to it when the m tokens are the whole vocabulary."""
+        [n, vocab], the candidate's returned token ids [n, m] (-1 = padding) and their log-probabilities
+        [n, m]. A lower bound of the true KL; equal to it when the m tokens are the whole vocabulary.
+    Computed in float64 (the rest bucket is a difference of near-equal sums), returned in float32."""
     present = token_ids >= 0
     ids = token_ids.clamp_min(0)
     ref = ref_logp.double()
@@ -41,7 +43,7 @@ def partition_kl(ref_logp: torch.Tensor, token_ids: torch.Tensor, cand_logp: tor
     p_rest = torch.logsumexp(ref.masked_fill(returned, -torch.inf), dim=-1)
     q_rest = torch.log((1.0 - q_known.exp().sum(-1)).clamp_min(1e-12))
     rest = torch.where(torch.isfinite(p_rest), p_rest.exp() * (p_rest - q_rest), 0.0)
-    return (kl + rest).clamp_min(0.0)
+    return (kl + rest).clamp_min(0.0).float()
 
 
 class KLStats:
@@ -60,7 +62,7 @@ class KLStats:
         quant = torch.log_softmax(quant_logits.float(), dim=-1)
         top = ref.argmax(-1, keepdim=True)
         return self._add(
-            token_kl(ref, quant),
+            token_kl(ref, quant_logits),
             quant.argmax(-1, keepdim=True) == top,
             quant.gather(-1, top).exp() - ref.gather(-1, top).exp(),
             -ref.gather(-1, targets[:, None]),

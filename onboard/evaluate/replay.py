@@ -119,7 +119,7 @@ class LayerReplay:
         (the eval's own per-token function, a chunk of positions at a time)."""
         out = []
         for index, logits in enumerate(head_chunks(self.model, hidden, CHUNK)):
-            out.append(token_kl(self.reference_logp[index * CHUNK : index * CHUNK + len(logits)], logits))
+            out.append(token_kl(self.reference_logp[index * CHUNK : index * CHUNK + len(logits)], logits).double())
         return torch.cat(out)
 
     def kl_from(self, start: int = 0, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
