@@ -1,7 +1,8 @@
-"""The engine: requests in, tokens out, one scheduled step at a time (nano-vllm's LLMEngine)."""
+"""The engine: requests in, tokens out, one scheduled step at a time (nano-vllm's LLMEngine).
+
+Its request records are in `request.py`, the speculative step in `spec_step.py`."""
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -9,54 +10,17 @@ import torch
 
 from onboard.engine.block_manager import BlockManager
 from onboard.engine.config import EngineConfig
-from onboard.engine.grammar import GrammarFactory, GrammarSpec, RequestGrammar
+from onboard.engine.grammar import GrammarFactory, GrammarSpec
 from onboard.engine.logprobs import token_logprobs
 from onboard.engine.model_runner import ModelRunner
+from onboard.engine.request import Completion, EngineRequest, RequestOutput
 from onboard.engine.sampler import Sampler, SamplingParams
 from onboard.engine.scheduler import ScheduledSeq, Scheduler
 from onboard.engine.sequence import Sequence, SequenceStatus
 from onboard.engine.spec_decode import Speculator
+from onboard.engine.spec_step import speculative_step
 from onboard.engine.stop import check_stop, stop_holdback
 from onboard.models import inspect_checkpoint, load_tokenizer
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request: the new tokens and text, and whether it ended."""
-
-    request_id: int
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_completion_tokens: int
-    logprobs: list[dict] = field(default_factory=list)  # per new token: {"token", "logprob", "top"}
-    # With `SamplingParams.prompt_logprobs`, on the request's first output only: per prompt position
-    # None (the first) or {"token", "logprob", "rank", "top"} (`onboard.engine.logprobs`).
-    prompt_logprobs: list[dict | None] | None = None
-
-
-@dataclass
-class _Request:
-    seq: Sequence
-    params: SamplingParams
-    generator: torch.Generator | None
-    grammar: RequestGrammar | None
-    text: str = ""
-    emitted: int = 0  # characters of `text` already returned
-    logprobs: list[dict] = field(default_factory=list)
-    # Prompt positions scored so far while prefilling; None when not asked for or already returned.
-    prompt_logprobs: list[dict | None] | None = None
-
-
-@dataclass
-class Completion:
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    logprobs: list[dict]
-    prompt_logprobs: list[dict | None] | None = None
 
 
 class LLMEngine:
@@ -75,7 +39,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.eos_ids = self._eos_ids()
         self.grammars = GrammarFactory(self.tokenizer, self.runner.vocab_size, stop_token_ids=sorted(self.eos_ids))
-        self.requests: dict[int, _Request] = {}
+        self.requests: dict[int, EngineRequest] = {}
         self.speculator: Speculator | None = None
 
     def set_speculator(self, draft, num_speculative_tokens: int) -> None:
@@ -190,7 +154,7 @@ class LLMEngine:
         matcher = self.grammars.matcher(grammar) if grammar is not None else None
         seq = Sequence(prompt_token_ids, self.config.block_size, sampling=params)
         generator = params.make_generator()
-        request = _Request(seq, params, generator, matcher)
+        request = EngineRequest(seq, params, generator, matcher)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # nothing scores the first prompt token
         self.requests[seq.seq_id] = request
@@ -213,7 +177,7 @@ class LLMEngine:
         if not scheduled:
             return []
         if self.speculator is not None:
-            return self._speculative_step(scheduled)
+            return speculative_step(self, scheduled)
         result = self.runner.run(scheduled)
         self._score_prompts(scheduled, result.prompt_logits)
         logits = result.logits
@@ -245,7 +209,7 @@ class LLMEngine:
         )
         return {r.seq.seq_id: (result.token_ids[i], result.logprob_entry(i)) for i, r in enumerate(requests)}
 
-    def _advance(self, request: _Request, token: int, logprob: dict | None) -> RequestOutput:
+    def _advance(self, request: EngineRequest, token: int, logprob: dict | None) -> RequestOutput:
         seq, params = request.seq, request.params
         if request.grammar is not None and not request.grammar.is_terminated():
             request.grammar.accept(token)
@@ -282,98 +246,6 @@ class LLMEngine:
             logprobs=[logprob] if logprob is not None else [],
             prompt_logprobs=prompt_logprobs,
         )
-
-    # -- speculative decoding (spec_decode.py) --------------------------------------------------
-
-    @torch.inference_mode()
-    def _speculative_step(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
-        """One step where decoding sequences the draft is ready for verify its proposals too."""
-        spec = self.speculator
-        proposals = {}
-        for item in scheduled:
-            seq = item.seq
-            if item.num_new_tokens != 1 or not item.samples or not spec.ready(seq):
-                continue
-            request = self.requests[seq.seq_id]
-            room = min(
-                spec.k,
-                request.params.max_tokens - len(seq.completion_token_ids),  # a bonus past it is dropped
-                self.config.max_model_len - len(seq),
-            )
-            if room <= 0:
-                continue
-            proposal = spec.propose(seq, room, request.params, request.generator, request.grammar)
-            if self.scheduler.reserve_lookahead(item, proposal.tokens):
-                proposals[seq.seq_id] = proposal
-
-        starts = [item.seq.num_computed_tokens for item in scheduled]
-        result = self.runner.run(scheduled, aux_layers=spec.aux_layers)
-        self._score_prompts(scheduled, result.prompt_logits)
-        logits, aux = result.logits, result.aux
-        # Logits rows, in order: every new token of a verifying sequence, the last of a plain one.
-        plain, plain_rows, spec_rows = [], [], {}
-        row = 0
-        for item in scheduled:
-            if item.num_proposals:
-                spec_rows[item.seq.seq_id] = slice(row, row + item.num_new_tokens)
-                row += item.num_new_tokens
-            elif item.samples:
-                plain.append(item)
-                plain_rows.append(row)
-                row += 1
-        offsets = [0]
-        for item in scheduled:
-            offsets.append(offsets[-1] + item.num_new_tokens)
-        sampled = self._sample(plain, logits[torch.tensor(plain_rows, dtype=torch.long)]) if plain else {}
-        self.scheduler.postprocess(
-            [item for item in scheduled if item.seq.seq_id not in proposals],
-            {seq_id: token for seq_id, (token, _) in sampled.items()},
-        )
-        outputs = [self._advance(self.requests[seq_id], token, lp) for seq_id, (token, lp) in sampled.items()]
-        for item in scheduled:
-            seq = item.seq
-            if seq.seq_id in proposals and not seq.is_finished:
-                outputs.append(self._commit(item, logits[spec_rows[seq.seq_id]], proposals[seq.seq_id]))
-
-        for item, start, first_row in zip(scheduled, starts, offsets, strict=False):
-            seq = item.seq
-            if seq.is_finished:
-                continue
-            count = seq.num_computed_tokens - start  # the positions this step verified or computed
-            spec.feed(seq, start, aux[first_row : first_row + count])
-        return outputs
-
-    def _commit(self, item: ScheduledSeq, raw: torch.Tensor, proposal) -> RequestOutput:
-        """Verify one sequence's proposals, keep the accepted KV, emit the tokens (one output)."""
-        seq = item.seq
-        request = self.requests[seq.seq_id]
-        base = seq.num_computed_tokens  # position of the last emitted token, computed this step
-        del seq.token_ids[base + 1 :]
-        history = (seq.token_ids[: seq.num_prompt_tokens], seq.completion_token_ids)
-        verdict = self.speculator.verify(raw, proposal, request.params, history, request.generator)
-        seq.num_computed_tokens = base + 1 + verdict.accepted
-        n = len(verdict.tokens)
-        entries = [None] * n
-        if request.params.logprobs is not None:
-            chosen = self.sampler.logprobs(raw[:n], [request.params] * n, verdict.tokens)
-            entries = [chosen.logprob_entry(i) for i in range(n)]
-        merged = None
-        for token, entry in zip(verdict.tokens, entries, strict=True):
-            seq.append_token(token)
-            out = self._advance(request, token, entry)
-            if merged is None:
-                merged = out
-            else:
-                merged.new_token_ids += out.new_token_ids
-                merged.new_text += out.new_text
-                merged.logprobs += out.logprobs
-                merged.finished, merged.finish_reason = out.finished, out.finish_reason
-                merged.num_completion_tokens = out.num_completion_tokens
-            if out.finished:
-                break
-        if not seq.is_finished:
-            self.scheduler.release_rejected(seq)
-        return merged
 
     # -- offline use --------------------------------------------------------------------------
 
