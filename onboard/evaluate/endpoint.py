@@ -22,7 +22,7 @@ from onboard.endpoint.pool import in_flight
 from onboard.endpoint.scores import FULL_VOCAB, PromptScores, score_body, score_prompt
 from onboard.evaluate.kl import KLStats
 from onboard.evaluate.logits import logit_chunks
-from onboard.evaluate.stage import eval_windows, kl_table
+from onboard.evaluate.stage import CHUNK, eval_windows, kl_table
 from onboard.hashing import fingerprint
 from onboard.memory import release_freed_memory
 from onboard.models import inspect_checkpoint, load_model, load_tokenizer
@@ -30,7 +30,6 @@ from onboard.paths import CALIBRATION_DIR
 from onboard.recipes import Eval
 from onboard.workspace import RunDir, Stage
 
-CHUNK = 128
 CONCURRENCY = 4  # requests in flight while scoring: enough to keep a server's batch full
 
 

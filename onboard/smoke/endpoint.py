@@ -35,7 +35,7 @@ from onboard.paths import CALIBRATION_DIR
 from onboard.recipes import Smoke
 from onboard.smoke.analysis import Side, compare, worst_cases
 from onboard.smoke.detectors import first_divergence
-from onboard.smoke.passes import Output
+from onboard.smoke.passes import Output, generate
 from onboard.smoke.stage import smoke_prompts, smoke_table
 
 MODES = ("greedy", "sampled")
@@ -106,17 +106,9 @@ class EngineGenerator:
         for body in bodies:
             fields = {k: body[k] for k in ("temperature", "top_p", "seed", "max_tokens") if k in body}
             params.append(SamplingParams(**fields, logprobs=TOP_LOGPROBS))
-        ids = [self.engine.add_request(list(body["prompt"]), p) for body, p in zip(bodies, params, strict=True)]
-        outputs = {i: Output([], "", None) for i in ids}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                done = outputs[out.request_id]
-                done.token_ids += out.new_token_ids
-                done.text += out.new_text
-                done.entropies += [coarse_entropy([lp for _, lp in entry["top"]]) for entry in out.logprobs]
-                if out.finished:
-                    done.finish_reason = out.finish_reason
-        return [outputs[i] for i in ids]
+        prompts = [list(body["prompt"]) for body in bodies]
+        coarse = lambda entry: coarse_entropy([lp for _, lp in entry["top"]])  # noqa: E731
+        return generate(self.engine, prompts, params, label, entropy=coarse).outputs
 
 
 def _passes(generator, prompts: list[ChatPrompt], config: Smoke, label: str) -> dict[str, list[Output]]:

@@ -1,7 +1,7 @@
 """Generation passes for the smoke stage: many prompts through one engine, with a progress bar."""
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -35,8 +35,15 @@ def params_for(mode: str, max_tokens: int, temperature: float, top_p: float, see
     return SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens, logprobs=0)
 
 
-def generate(engine, prompts: Sequence[list[int]], params: Sequence[SamplingParams], label: str) -> Pass:
-    """All prompts submitted at once (continuous batching); outputs in prompt order."""
+def generate(
+    engine,
+    prompts: Sequence[list[int]],
+    params: Sequence[SamplingParams],
+    label: str,
+    entropy: Callable[[dict], float] = lambda entry: entry["entropy"],
+) -> Pass:
+    """All prompts submitted at once (continuous batching); outputs in prompt order. `entropy` reads
+    a step's entropy from its logprobs entry (the raw model's, by default)."""
     start = time.perf_counter()
     ids = [engine.add_request(list(p), q) for p, q in zip(prompts, params, strict=True)]
     outputs = {i: Output([], "", None) for i in ids}
@@ -48,7 +55,7 @@ def generate(engine, prompts: Sequence[list[int]], params: Sequence[SamplingPara
                 done = outputs[out.request_id]
                 done.token_ids += out.new_token_ids
                 done.text += out.new_text
-                done.entropies += [entry["entropy"] for entry in out.logprobs]
+                done.entropies += [entropy(entry) for entry in out.logprobs]
                 if out.finished:
                     done.finish_reason = out.finish_reason
                     progress.advance(task)
