@@ -1,12 +1,28 @@
-"""`onboard bench`: the engine against `transformers.generate`, same weights, same prompts, one run."""
+"""`onboard bench`: the engine (exact and fast numerics) against its peers, `transformers.generate`
+and llama.cpp, on the same weights and the same prompts, in one run; every speed is reported
+beside its ratio to a peer measured in that run."""
 
-import time
+import gc
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Group, RenderableType
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
+from onboard.bench_peers import (
+    close_llama_cpp,
+    engine_tps,
+    hf_tps,
+    llama_cpp_tps,
+    open_llama_cpp,
+    peer_gguf,
+    timed,
+)
 from onboard.console import console
 from onboard.data import builtin_records, chat_prompts, load_records, stdlib_code_records, tokenize_records
 from onboard.models import Checkpoint, load_model, load_tokenizer
@@ -14,6 +30,9 @@ from onboard.models import Checkpoint, load_model, load_tokenizer
 NEW_TOKENS = 64
 PREFIX_TOKENS = 2000
 MAX_PROMPT_TOKENS = 256
+CONCURRENCY = (1, 16, 64)  # requests at once; concurrency 1 is the mean over C1_PROMPTS prompts, one by one
+C1_PROMPTS = 4
+NUMERICS = ("exact", "fast")
 
 
 def _prompts(tokenizer, data: Path | None, count: int) -> list[list[int]]:
@@ -24,114 +43,167 @@ def _prompts(tokenizer, data: Path | None, count: int) -> list[list[int]]:
     return [prompts[i % len(prompts)].token_ids for i in range(count)]
 
 
-def _timed(fn) -> tuple[Any, float]:
-    start = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - start
-
-
 def memory_bandwidth() -> float:
     """Bytes per second one process reads, measured on a 512 MiB tensor (best of 3)."""
     data = torch.ones(128 * 2**20, dtype=torch.float32)
-    best = min(_timed(lambda: data.sum())[1] for _ in range(3))
+    best = min(timed(lambda: data.sum())[1] for _ in range(3))
     return data.numel() * data.element_size() / best
 
 
-def _engine_tps(engine, prompts: list[list[int]]) -> float:
-    from onboard.engine.sampler import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    results, seconds = _timed(lambda: engine.generate(prompts, params))
-    return sum(len(r.token_ids) for r in results) / seconds
-
-
-@torch.inference_mode()
-def _hf_tps(model, prompts: list[list[int]], pad_id: int) -> float:
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out, seconds = _timed(
-        lambda: model.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=pad_id,
-        )
-    )
-    return (out.shape[1] - width) * len(prompts) / seconds
+def _sweep(side: str, label: str, tps: Callable[[list[list[int]]], float], prompts: list[list[int]]) -> dict:
+    """`{side}_c{n}_tps` for every level of CONCURRENCY, after one warm-up request."""
+    console.print(f"bench: {label}: warm-up ...")
+    tps(prompts[:1])
+    out = {}
+    for n in CONCURRENCY:
+        console.print(f"bench: {label}: concurrency {n} ...")
+        if n == 1:
+            out[f"{side}_c1_tps"] = sum(tps([p]) for p in prompts[:C1_PROMPTS]) / C1_PROMPTS
+        else:
+            out[f"{side}_c{n}_tps"] = tps(prompts[:n])
+    return out
 
 
 def _ttft(engine, prompt: list[int]) -> float:
     from onboard.engine.sampler import SamplingParams
 
-    return _timed(lambda: engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1)))[1]
+    return timed(lambda: engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1)))[1]
 
 
-def run_bench(checkpoint: Checkpoint, data: Path | None, device: str = "cpu") -> dict[str, Any]:
+def _prefix_ttft(engine, tokenizer, prompts: list[list[int]]) -> dict[str, Any]:
+    """Time to first token of a long shared prefix, cold and then warm (cached) in the prefix cache."""
+    console.print("bench: engine fast: shared-prefix time to first token ...")
+    prefix = tokenize_records(stdlib_code_records("eval", 8), tokenizer, chat=False, max_length=10 * PREFIX_TOKENS)
+    prefix_ids = [t for doc in prefix for t in doc][:PREFIX_TOKENS]
+    cold = _ttft(engine, prefix_ids + prompts[0])
+    warm = _ttft(engine, prefix_ids + prompts[1 % len(prompts)])
+    return {"prefix_tokens": len(prefix_ids), "prefix_ttft_cold_s": cold, "prefix_ttft_warm_s": warm}
+
+
+def _llama_cpp(model_path: Path, gguf: Path | None, prompts: list[list[int]], device: str) -> dict[str, Any]:
+    """llama.cpp at concurrency 1 (its high-level API runs one sequence), or why it was skipped."""
+    out: dict[str, Any] = {"llama_cpp_c1_tps": None, "llama_cpp_model": None, "llama_cpp_skipped": None}
+    path, reason = peer_gguf(model_path, gguf)
+    llm = None
+    if path is not None:
+        out["llama_cpp_model"] = str(path)
+        llm, reason = open_llama_cpp(path, device)
+    if llm is not None and max(max(p) for p in prompts) >= llm.n_vocab():
+        reason = f"{path.name} has a {llm.n_vocab()}-token vocabulary, smaller than this model's"
+        close_llama_cpp(llm)
+        llm = None
+    if llm is None:
+        console.print(f"bench: llama.cpp skipped: {escape(reason)}")
+        out["llama_cpp_skipped"] = reason
+        return out
+    try:
+        console.print("bench: llama.cpp: warm-up ...")
+        llama_cpp_tps(llm, prompts[0], NEW_TOKENS)
+        console.print(f"bench: llama.cpp ({escape(path.name)}): concurrency 1 ...")
+        runs = [llama_cpp_tps(llm, p, NEW_TOKENS) for p in prompts[:C1_PROMPTS]]
+        out["llama_cpp_c1_tps"] = sum(runs) / len(runs)
+    finally:
+        close_llama_cpp(llm)
+    return out
+
+
+def _ratio(mine: float | None, theirs: float | None) -> float | None:
+    return mine / theirs if mine is not None and theirs else None
+
+
+def run_bench(checkpoint: Checkpoint, data: Path | None, device: str = "cpu", gguf: Path | None = None) -> dict:
+    """Every side, one after the other (one model in memory at a time), on the same prompts.
+    `gguf`: the GGUF file the checkpoint was converted from, when the bench's MODEL was one."""
     from onboard.engine import EngineConfig, LLMEngine
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer(checkpoint)
-    prompts = _prompts(tokenizer, data, 16)
-    engine = LLMEngine(checkpoint.path, EngineConfig(device=device))
-    model = load_model(checkpoint)
-    _engine_tps(engine, prompts[:1])  # warm-up both sides
-    _hf_tps(model, prompts[:1], tokenizer.pad_token_id)
-
-    console.print("bench: concurrency 1 ...")
-    engine_c1 = sum(_engine_tps(engine, [p]) for p in prompts[:4]) / 4
-    hf_c1 = sum(_hf_tps(model, [p], tokenizer.pad_token_id) for p in prompts[:4]) / 4
-    console.print("bench: concurrency 16 ...")
-    engine_c16 = _engine_tps(engine, prompts)
-    hf_c16 = _hf_tps(model, prompts, tokenizer.pad_token_id)
-
-    console.print("bench: shared-prefix time to first token ...")
-    prefix = tokenize_records(stdlib_code_records("eval", 8), tokenizer, chat=False, max_length=10 * PREFIX_TOKENS)
-    prefix_ids = [t for doc in prefix for t in doc][:PREFIX_TOKENS]
-    cold = _ttft(engine, prefix_ids + prompts[0])
-    warm = _ttft(engine, prefix_ids + prompts[1])
-
-    bandwidth = memory_bandwidth()
-    bytes_per_step = engine.weight_bytes_per_decode_step()
-    return {
+    prompts = _prompts(tokenizer, data, max(max(CONCURRENCY), C1_PROMPTS))
+    result: dict[str, Any] = {
         "model": str(checkpoint.path),
+        "device": device,
         "new_tokens": NEW_TOKENS,
-        "engine_c1_tps": engine_c1,
-        "hf_c1_tps": hf_c1,
-        "engine_c16_tps": engine_c16,
-        "hf_c16_tps": hf_c16,
-        "prefix_tokens": len(prefix_ids),
-        "prefix_ttft_cold_s": cold,
-        "prefix_ttft_warm_s": warm,
-        "weight_bytes_per_decode_step": bytes_per_step,
-        "kv_bytes_per_token": engine.kv_layout.bytes_per_token(),
+        "concurrency": list(CONCURRENCY),
+        "threads": torch.get_num_threads(),
+    }
+
+    model = load_model(checkpoint).to(device)
+    timer = partial(hf_tps, model, pad_id=tokenizer.pad_token_id, new_tokens=NEW_TOKENS)
+    result |= _sweep("hf", "transformers", timer, prompts)
+    del model, timer
+    gc.collect()
+
+    bytes_per_step = {}
+    for numerics in NUMERICS:
+        config = EngineConfig(device=device, numerics=numerics, max_num_seqs=max(CONCURRENCY))
+        engine = LLMEngine(checkpoint.path, config)
+        timer = partial(engine_tps, engine, new_tokens=NEW_TOKENS)
+        result |= _sweep(f"engine_{numerics}", f"engine {numerics}", timer, prompts)
+        bytes_per_step[numerics] = engine.weight_bytes_per_decode_step()
+        if numerics == "fast":
+            result |= _prefix_ttft(engine, tokenizer, prompts)
+            result["kv_bytes_per_token"] = engine.kv_layout.bytes_per_token()
+        del engine, timer
+        gc.collect()
+
+    result |= _llama_cpp(checkpoint.path, gguf, prompts, device)
+
+    console.print("bench: memory bandwidth ...")
+    bandwidth = memory_bandwidth()
+    fast_c1, exact_c1 = result["engine_fast_c1_tps"], result["engine_exact_c1_tps"]
+    for n in CONCURRENCY:
+        result[f"fast_over_hf_c{n}"] = _ratio(result[f"engine_fast_c{n}_tps"], result[f"hf_c{n}_tps"])
+    result["fast_over_llama_cpp_c1"] = _ratio(fast_c1, result["llama_cpp_c1_tps"])
+    return result | {
+        "weight_bytes_per_decode_step": bytes_per_step["fast"],
         "memory_bandwidth_gbps": bandwidth / 1e9,
-        "bandwidth_fraction_c1": bytes_per_step * engine_c1 / bandwidth,
+        "bandwidth_fraction_c1": bytes_per_step["fast"] * fast_c1 / bandwidth,
+        "bandwidth_fraction_c1_exact": bytes_per_step["exact"] * exact_c1 / bandwidth,
     }
 
 
-def bench_table(result: dict[str, Any]) -> Table:
-    table = Table(title="engine against transformers.generate (same weights, same prompts)", title_justify="left")
-    for column in ("measure", "engine", "transformers", "ratio"):
-        table.add_column(column, justify="right" if column != "measure" else "left")
-    for label, mine, theirs in (
-        ("tokens/s, concurrency 1", result["engine_c1_tps"], result["hf_c1_tps"]),
-        ("tokens/s, concurrency 16", result["engine_c16_tps"], result["hf_c16_tps"]),
-    ):
-        table.add_row(label, f"{mine:.1f}", f"{theirs:.1f}", f"{mine / theirs:.2f}×")
+def _tps(value: Any) -> str:
+    return f"{value:.1f}" if isinstance(value, int | float) else "—"
+
+
+def _times(value: Any) -> str:
+    return f"{value:.2f}×" if isinstance(value, int | float) else "—"
+
+
+def bench_table(result: dict[str, Any]) -> RenderableType:
+    """Tokens/s per concurrency for every side with the fast engine's ratios, then TTFT and bandwidth."""
+    speed = Table(
+        title=f"tokens/s: same weights, same prompts, greedy, {result['new_tokens']} new tokens per request",
+        title_justify="left",
+    )
+    columns = ("concurrency", "transformers", "engine exact", "engine fast", "llama.cpp")
+    for column in (*columns, "fast ÷ transformers", "fast ÷ llama.cpp"):
+        speed.add_column(column, justify="right")
+    for n in result.get("concurrency", CONCURRENCY):
+        cells = [result.get(f"{side}_c{n}_tps") for side in ("hf", "engine_exact", "engine_fast", "llama_cpp")]
+        label = f"{n} (mean of {C1_PROMPTS})" if n == 1 else str(n)
+        ratios = result.get(f"fast_over_hf_c{n}"), result.get(f"fast_over_llama_cpp_c{n}")
+        speed.add_row(label, *map(_tps, cells), *map(_times, ratios))
+    if result.get("llama_cpp_skipped"):
+        speed.caption = Text(f"llama.cpp skipped: {result['llama_cpp_skipped']}")
+    elif result.get("llama_cpp_model"):
+        speed.caption = Text(f"llama.cpp: {Path(result['llama_cpp_model']).name}, one sequence at a time")
+    speed.caption_justify = "left"
+
+    other = Table(title="engine fast: shared prefix and memory bandwidth", title_justify="left")
+    for column in ("measure", "value", "note"):
+        other.add_column(column, justify="left" if column == "measure" else "right")
     cold, warm = result["prefix_ttft_cold_s"], result["prefix_ttft_warm_s"]
-    table.add_row(
+    other.add_row(
         f"TTFT, {result['prefix_tokens']}-token shared prefix",
-        f"warm {warm:.3f} s",
-        f"cold {cold:.3f} s",
-        f"{cold / warm:.1f}×",
+        f"cold {cold:.3f} s, warm {warm:.3f} s",
+        f"{cold / warm:.1f}× faster warm" if warm else "",
     )
-    table.add_row(
-        "memory-bandwidth bound reached, c=1",
-        f"{100 * result['bandwidth_fraction_c1']:.1f} %",
-        f"{result['memory_bandwidth_gbps']:.1f} GB/s",
-        "",
+    other.add_row("memory read bandwidth, one process", f"{result['memory_bandwidth_gbps']:.1f} GB/s", "")
+    fast, exact = result["bandwidth_fraction_c1"], result["bandwidth_fraction_c1_exact"]
+    other.add_row(
+        "bandwidth bound reached, concurrency 1",
+        f"fast {100 * fast:.1f} %, exact {100 * exact:.1f} %",
+        f"{result['weight_bytes_per_decode_step'] / 1e6:.1f} MB of weights per decode step",
     )
-    return table
+    return Group(speed, other)

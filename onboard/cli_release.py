@@ -11,8 +11,10 @@ from onboard.cli_options import (
     DeviceOpt,
     EndpointOpt,
     JunitOpt,
+    NumericsOpt,
     ServedModelOpt,
     check_device,
+    check_numerics,
     endpoint_spec,
     existing_data,
 )
@@ -35,6 +37,7 @@ def smoke(
     num_prompts: Annotated[int | None, typer.Option(help="prompts (default: the recipe's)")] = None,
     max_tokens: Annotated[int | None, typer.Option(help="tokens generated per prompt (default: the recipe's)")] = None,
     device: DeviceOpt = "cpu",
+    numerics: NumericsOpt = "fast",
     endpoint: EndpointOpt = None,
     served_model: ServedModelOpt = None,
     api_key: ApiKeyOpt = None,
@@ -63,11 +66,11 @@ def smoke(
     with run:
         run.require("quantize")
         if spec is None:
-            run_smoke(run, recipe.smoke, data, device)
+            run_smoke(run, recipe.smoke, data, device, check_numerics(numerics))
         else:
             from onboard.smoke.endpoint import run_endpoint_smoke
 
-            run_endpoint_smoke(run, recipe.smoke, data, spec, reference_spec, device)
+            run_endpoint_smoke(run, recipe.smoke, data, spec, reference_spec, device, check_numerics(numerics))
 
 
 def report(run_dir: RunDirArg) -> None:

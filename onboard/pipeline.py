@@ -57,8 +57,10 @@ def run_pipeline(
     trust_remote_code: bool = False,
     junit: Path | None = None,
     device: str = "cpu",
+    numerics: str = "fast",
 ) -> int:
-    """Run `stages` of STAGES in order (engines on `device`); the gate's exit code when it ran, else 0."""
+    """Run `stages` of STAGES in order (engines on `device`, serving in `numerics`; adapt judges both);
+    the gate's exit code when it ran, else 0."""
     from onboard.cli_options import existing_data, recipe_with_overrides
     from onboard.models import resolve_model
     from onboard.workspace import RunDir
@@ -83,7 +85,7 @@ def run_pipeline(
         if "speculator" in stages:
             from onboard.speculator.stage import run_speculator
 
-            run_speculator(run, resolved.speculator, None, device=device)
+            run_speculator(run, resolved.speculator, None, device=device, numerics=numerics)
         if "adapt" in stages:
             from onboard.adapt.stage import run_adapt
             from onboard.models import inspect_checkpoint
@@ -93,7 +95,7 @@ def run_pipeline(
         if "smoke" in stages:
             from onboard.smoke.stage import run_smoke
 
-            run_smoke(run, resolved.smoke, data, device)
+            run_smoke(run, resolved.smoke, data, device, numerics)
         return finish(run.root, "report" in stages, "gate" in stages, junit)
 
 

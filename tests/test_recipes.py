@@ -9,7 +9,7 @@ import yaml
 from onboard.errors import OnboardError
 from onboard.paths import RECIPES_DIR
 from onboard.quantize.patterns import matches
-from onboard.recipes import Calibration, Eval, Recipe, load_recipe, recipe_for, shipped_recipes
+from onboard.recipes import Calibration, Eval, Recipe, SpeculatorSettings, load_recipe, recipe_for, shipped_recipes
 
 SHIPPED = shipped_recipes()
 
@@ -146,6 +146,32 @@ def test_deepseek_family_recipes_keep_routers_indexer_and_mla_down_projections(
     assert "llm-compressor" in text and "nats" in text
 
 
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_speculator_sections_spell_out_every_setting(path: Path) -> None:
+    """Each lever of the speculator's data and init is set in the file, at the current behaviour
+    until the ablation (scripts/speculator_ablation.py) says otherwise."""
+    section = yaml.safe_load(path.read_text()).get("speculator")
+    if section is None:
+        return
+    assert set(section) == set(SpeculatorSettings.model_fields), path.name
+    settings = load_recipe(path).speculator
+    assert settings.generation_concurrency == 64
+    assert settings.teacher_forced_data == [] and settings.teacher_forced_max_sequences == 2000
+    assert settings.init_from_last_layer is False
+
+
+def test_speculator_levers_load_from_a_recipe(tmp_path: Path) -> None:
+    levers = {
+        "generation_concurrency": 256,
+        "teacher_forced_data": ["data/gsm8k.jsonl", "/abs/alpaca.json"],
+        "teacher_forced_max_sequences": 500,
+        "init_from_last_layer": True,
+    }
+    settings = load_recipe(write_recipe(tmp_path, {"speculator": levers})).speculator
+    assert settings.model_dump(include=set(levers)) == levers
+    assert settings.num_prompts == SpeculatorSettings().num_prompts
+
+
 def test_partial_recipe_keeps_other_defaults(tmp_path: Path) -> None:
     path = write_recipe(tmp_path, {"quantize": {"scheme": "fp8", "calibration": {"num_samples": 3}}})
     recipe = load_recipe(path)
@@ -193,6 +219,10 @@ def test_unknown_keys_are_named_with_the_file(tmp_path: Path, data: dict, key: s
         ({"eval": {"max_tokens": 0}}, "eval.max_tokens"),
         ({"eval": {"window": 0}}, "eval.window"),
         ({"architectures": "LlamaForCausalLM"}, "architectures"),
+        ({"speculator": {"generation_concurrency": 0}}, "speculator.generation_concurrency"),
+        ({"speculator": {"teacher_forced_data": "gsm8k.jsonl"}}, "speculator.teacher_forced_data"),
+        ({"speculator": {"teacher_forced_max_sequences": 0}}, "speculator.teacher_forced_max_sequences"),
+        ({"speculator": {"init_from_last_layer": "maybe"}}, "speculator.init_from_last_layer"),
         ({"quantize": "nvfp4"}, "quantize"),
     ],
 )

@@ -40,6 +40,12 @@ def load_jsonl(path: Path) -> list[Record]:
 
 
 def load_json(path: Path) -> list[Record]:
+    records = [_record(row, source, where) for source, where, row in json_items(path)]
+    return [record for record in records if record is not None]
+
+
+def json_items(path: Path) -> list[tuple[str, str, Any]]:
+    """(source, where, row) of every row of a `.json` file: a list's items, or a mapping's values."""
     try:
         with path.open(encoding="utf-8-sig") as file:
             data = json.load(file)
@@ -56,8 +62,7 @@ def load_json(path: Path) -> list[Record]:
         items = [(f"json:{key}", f"{path}: key {key!r}", row) for key, row in data.items()]
     else:
         raise data_error(f"{path}: expected a JSON list or object at the top level")
-    records = [_record(row, source, where) for source, where, row in items]
-    return [record for record in records if record is not None]
+    return items
 
 
 def _record(row: Any, source: str, where: str) -> Record | None:

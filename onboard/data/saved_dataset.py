@@ -1,6 +1,8 @@
 """A directory written by `datasets.Dataset.save_to_disk` or `DatasetDict.save_to_disk`."""
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from onboard.data.failure import data_error
 from onboard.data.record import Record
@@ -16,6 +18,20 @@ def is_saved_dataset(path: Path) -> bool:
 def load_saved_dataset(path: Path) -> list[Record]:
     """Rows read like `.jsonl` rows; of a DatasetDict, the "train" split if there is one,
     else the first."""
+    records = []
+    for source, where, row in saved_rows(path):
+        try:
+            record = record_from_row(row, source=source)
+        except ValueError as exc:
+            raise data_error(f"{where}: {exc}") from None
+        if record is not None:
+            records.append(record)
+    return records
+
+
+def saved_rows(path: Path) -> Iterator[tuple[str, str, Any]]:
+    """(source, where, row) of every row of the saved dataset (of a DatasetDict, the "train"
+    split if there is one, else the first)."""
     import datasets  # slow to import, and only this kind of input needs it
 
     try:
@@ -25,21 +41,13 @@ def load_saved_dataset(path: Path) -> list[Record]:
     split = None
     if isinstance(loaded, datasets.DatasetDict):
         if not loaded:
-            return []
+            return
         split = "train" if "train" in loaded else next(iter(loaded))
         loaded = loaded[split]
     label = f"{path.name}[{split}]" if split else path.name
-
-    records = []
     for i, row in enumerate(loaded):
-        try:
-            record = record_from_row(row, source=f"{label}:{i}")
-        except ValueError as exc:
-            where = f"split {split!r} row {i}" if split else f"row {i}"
-            raise data_error(f"{path}: {where}: {exc}") from None
-        if record is not None:
-            records.append(record)
-    return records
+        where = f"split {split!r} row {i}" if split else f"row {i}"
+        yield f"{label}:{i}", f"{path}: {where}", row
 
 
 def _first_line(exc: Exception) -> str:

@@ -44,7 +44,7 @@ class ModelRunner:
         self.hf_config = AutoConfig.from_pretrained(path)
         weights = CheckpointWeights(Path(path), dtype=dtype, device=self.device)
         self.model = model_class(self.hf_config)(self.hf_config, weights)
-        self.backend = attention_backend(self.device, config.attention_backend)
+        self.backend = attention_backend(self.device, config.attention_backend, config.numerics)
         self.kv_layout = self.model.kv_layout
         self.cache = KVCache(self.kv_layout, config.num_blocks, config.block_size, self.device)
         self.vocab_size = self.hf_config.get_text_config().vocab_size

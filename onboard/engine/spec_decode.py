@@ -103,12 +103,13 @@ class Speculator:
 
     def _rows(self, tokens: list[int], hidden: torch.Tensor, first_position: int, cache: DynamicCache):
         """Draft rows for `tokens` at positions first_position..; the last row's logits and state."""
-        ids = torch.tensor([tokens])
-        positions = torch.arange(first_position, first_position + len(tokens))[None]
+        device = hidden.device  # the draft's: its inputs are built there, not on the host
+        ids = torch.tensor([tokens], device=device)
+        positions = torch.arange(first_position, first_position + len(tokens), device=device)[None]
         mask = None
         if len(tokens) > 1:
             past = cache.get_seq_length()
-            mask = torch.ones(len(tokens), past + len(tokens), dtype=torch.bool).tril(past)[None, None]
+            mask = torch.ones(len(tokens), past + len(tokens), dtype=torch.bool, device=device).tril(past)[None, None]
         out = self.draft.step(ids, hidden, positions, mask, cache)
         return out.logits[0, -1], out.hidden[:, -1:]
 

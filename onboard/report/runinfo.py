@@ -1,5 +1,6 @@
 """Run-level facts: the header line, stage timings, package versions, and the throughput card."""
 
+import re
 from pathlib import PurePath
 from typing import Any
 
@@ -7,10 +8,15 @@ from onboard.report import svg
 from onboard.report.fmt import is_num, secs
 from onboard.report.load import STAGES, Run, as_dict
 
-BENCH_PAIRS = (
-    ("tokens/s, concurrency 1", "engine_c1_tps", "hf_c1_tps"),
-    ("tokens/s, concurrency 16", "engine_c16_tps", "hf_c16_tps"),
+# `onboard bench`'s sides, as `{side}_c{N}_tps` keys of bench/bench.json, in column order.
+BENCH_SIDES = (
+    ("hf", "transformers"),
+    ("engine_exact", "engine exact"),
+    ("engine_fast", "engine fast"),
+    ("llama_cpp", "llama.cpp"),
 )
+BENCH_KEY = re.compile(r"^(?P<side>" + "|".join(side for side, _ in BENCH_SIDES) + r")_c(?P<n>\d+)_tps$")
+BENCH_RATIO = re.compile(r"^fast_over_(hf|llama_cpp)_c\d+$")
 
 
 def header(run: Run) -> dict[str, Any]:
@@ -69,22 +75,38 @@ def bench(run: Run) -> dict[str, Any]:
     smoke_stage = as_dict(as_dict((run.manifest or {}).get("stages")).get("smoke"))
     throughput = {str(k): v for k, v in as_dict(as_dict(smoke_stage.get("metrics")).get("throughput")).items()}
     result = data or {}
-    pairs = []
-    used = {"model"}
-    for name, engine_key, hf_key in BENCH_PAIRS:
-        if engine_key in result or hf_key in result:
-            engine, hf = result.get(engine_key), result.get(hf_key)
-            speedup = engine / hf if is_num(engine) and is_num(hf) and hf else None
-            pairs.append({"name": name, "engine": engine, "hf": hf, "speedup": speedup})
-            used |= {engine_key, hf_key}
-    other = {k: v for k, v in result.items() if k not in used and not isinstance(v, dict | list)}
+    levels = sorted({int(m["n"]) for key in result if (m := BENCH_KEY.match(key))})
+    rows = []
+    for n in levels:
+        tps = {side: result.get(f"{side}_c{n}_tps") for side, _ in BENCH_SIDES}
+        fast = tps["engine_fast"]
+        rows.append(
+            {
+                "concurrency": n,
+                "tps": [tps[side] for side, _ in BENCH_SIDES],
+                "fast_over_hf": _ratio(fast, tps["hf"]),
+                "fast_over_llama_cpp": _ratio(fast, tps["llama_cpp"]),
+            }
+        )
+    used = {"model", "concurrency", "llama_cpp_skipped"}
+    other = {
+        k: v
+        for k, v in result.items()
+        if k not in used and not BENCH_KEY.match(k) and not BENCH_RATIO.match(k) and not isinstance(v, dict | list)
+    }
     present = data is not None or bool(throughput)
     return {
         "status": "done" if present else "not run",
         "present": present,
         "error": None,
         "model": result.get("model"),
-        "pairs": pairs,
+        "columns": [label for _, label in BENCH_SIDES],
+        "rows": rows,
+        "llama_cpp_skipped": result.get("llama_cpp_skipped"),
         "other": other,
         "throughput": throughput,
     }
+
+
+def _ratio(mine: Any, theirs: Any) -> float | None:
+    return mine / theirs if is_num(mine) and is_num(theirs) and theirs else None

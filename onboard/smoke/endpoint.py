@@ -169,8 +169,15 @@ def measure_endpoint_smoke(
 
 
 def run_endpoint_smoke(
-    run, config: Smoke, data: Path | None, spec: EndpointSpec, reference_spec: EndpointSpec | None, device: str
+    run,
+    config: Smoke,
+    data: Path | None,
+    spec: EndpointSpec,
+    reference_spec: EndpointSpec | None,
+    device: str,
+    numerics: str = "fast",
 ) -> dict[str, Any]:
+    """`device`/`numerics`: the local reference engine's, when no reference endpoint is given."""
     quantize = run.require("quantize")
     reference_path = Path(quantize["inputs"]["model_path"])
     cache = RequestCache(run.root / ".cache" / "endpoints" / spec.slug / "smoke")
@@ -187,7 +194,8 @@ def run_endpoint_smoke(
         else:
             from onboard.engine import EngineConfig, LLMEngine
 
-            reference = EngineGenerator(LLMEngine(reference_path, EngineConfig(device=device, num_blocks=8192)))
+            engine_config = EngineConfig(device=device, numerics=numerics, num_blocks=8192)
+            reference = EngineGenerator(LLMEngine(reference_path, engine_config))
         decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         result = measure_endpoint_smoke(artifact, reference, prompts, config, decode)
         result["endpoint"] = spec.base
@@ -200,7 +208,7 @@ def run_endpoint_smoke(
     inputs = {
         "endpoint": spec.base,
         "served_model": endpoint.model,
-        "reference": reference_spec.base if reference_spec else fingerprint(reference_path),
+        "reference": reference_spec.base if reference_spec else [fingerprint(reference_path), numerics],
         "smoke": config.model_dump(),
         "data": fingerprint(data) if data else f"builtin:{fingerprint(CALIBRATION_DIR)}",
         "session": cache.session,

@@ -59,20 +59,21 @@ def _side(engine: LLMEngine, prompts: list[ChatPrompt], config: Smoke, label: st
     return by_mode, tps
 
 
-def _engine(path: Path, device: str) -> LLMEngine:
-    return LLMEngine(path, EngineConfig(device=device, num_blocks=_NUM_BLOCKS))
+def _engine(path: Path, device: str, numerics: str) -> LLMEngine:
+    return LLMEngine(path, EngineConfig(device=device, numerics=numerics, num_blocks=_NUM_BLOCKS))
 
 
 def measure_smoke(
-    artifact: Path, reference: Path, config: Smoke, data: Path | None, device: str = "cpu"
+    artifact: Path, reference: Path, config: Smoke, data: Path | None, device: str = "cpu", numerics: str = "fast"
 ) -> dict[str, Any]:
-    engine = _engine(reference, device)
+    """Both sides in `numerics` (what serves); batch invariance is measured in it too."""
+    engine = _engine(reference, device, numerics)
     prompts = smoke_prompts(engine.tokenizer, config, data)
     reference_outputs, reference_tps = _side(engine, prompts, config, "reference")
     del engine
     gc.collect()
 
-    engine = _engine(artifact, device)
+    engine = _engine(artifact, device, numerics)
     invariance = check_invariance(engine, [p.token_ids for p in prompts], config)
     baseline = invariance.pop("baseline")
     artifact_outputs, artifact_tps = _side(engine, prompts, config, "artifact")
@@ -88,6 +89,7 @@ def measure_smoke(
     return {
         "num_prompts": len(prompts),
         "max_tokens": config.max_tokens,
+        "numerics": numerics,
         "modes": list(MODES),
         "speculator": speculative is not None,
         **compare(mine, theirs, MODES),
@@ -113,13 +115,15 @@ def smoke_table(result: dict[str, Any]) -> Table:
     return table
 
 
-def run_smoke(run: RunDir, config: Smoke, data: Path | None, device: str = "cpu") -> dict[str, Any]:
+def run_smoke(
+    run: RunDir, config: Smoke, data: Path | None, device: str = "cpu", numerics: str = "fast"
+) -> dict[str, Any]:
     quantize = run.require("quantize")
     reference = Path(quantize["inputs"]["model_path"])
 
     def body(stage: Stage) -> dict[str, Any]:
         torch.manual_seed(config.seed)
-        result = measure_smoke(run.artifact, reference, config, data, device)
+        result = measure_smoke(run.artifact, reference, config, data, device, numerics)
         throughput = result.pop("throughput")  # timings vary run to run: the manifest, not smoke.json
         atomic.write_json(stage.path("smoke/smoke.json"), result)
         keys = ("loop_rate", "reference_loop_rate", "no_eos_rate", "distinct_2", "entropy_ratio", "batch_invariant")
@@ -128,6 +132,7 @@ def run_smoke(run: RunDir, config: Smoke, data: Path | None, device: str = "cpu"
     inputs = {
         "artifact": fingerprint(run.artifact),
         "smoke": config.model_dump(),
+        "numerics": numerics,
         "data": fingerprint(data) if data else f"builtin:{fingerprint(CALIBRATION_DIR)}",
     }
     entry = run.run_stage("smoke", inputs, outputs=["smoke"], body=body)

@@ -8,6 +8,7 @@ Written against `accelerate`: `accelerate launch` shards the batches over proces
 Resumable at epoch boundaries from `checkpoint/` (safetensors + JSON, no pickle).
 """
 
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ class TrainSettings:
     ttt_steps: int = 3
     step_decay: float = 0.8
     seed: int = 0
+    max_steps: int | None = None  # optimizer steps in all (the last epoch cut short); None: every epoch whole
 
 
 @dataclass
@@ -41,7 +43,7 @@ class Example:
     input_ids: torch.Tensor  # [T] tokens at positions 1..T
     aux: torch.Tensor  # [T, A*H] target states at positions 0..T-1
     final: torch.Tensor  # [T, H] target final states at positions 1..T (their next-token distributions)
-    trained: torch.Tensor  # [T] bool: the distribution at final[i] is for a trained-on token
+    trained: torch.Tensor  # [T] bool: final[i] is the distribution of a trained-on token (one in the sequence)
 
 
 def load_examples(data_dir: Path, max_seq_len: int) -> list[Example]:
@@ -57,7 +59,9 @@ def load_examples(data_dir: Path, max_seq_len: int) -> list[Example]:
                 input_ids=ids[1:end],
                 aux=seq["aux"][: end - 1],
                 final=seq["final"][1:end],
-                trained=positions + 1 >= max(seq["num_prompt_tokens"], 1),
+                # final[i] (position i + 1) gives token i + 2's distribution: trained when that token
+                # is a response's (or teacher-forced text's), not past the sequence's end (after EOS).
+                trained=(positions + 1 >= max(seq["num_prompt_tokens"], 1)) & (positions + 1 < n),
             )
         )
     return out
@@ -163,6 +167,9 @@ def train_draft(
     head = target_head[torch.nonzero(draft.t2d).squeeze(1)].float()  # draft order: ascending target ids
     batches_per_epoch = math.ceil(len(examples) / settings.batch_sequences)
     total = batches_per_epoch * settings.epochs
+    if settings.max_steps is not None:
+        total = min(total, settings.max_steps)
+    epochs = math.ceil(total / batches_per_epoch)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
     scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(settings.warmup_ratio * total), total)
@@ -178,7 +185,7 @@ def train_draft(
         task = progress.add_task(
             "speculator: training", total=total, completed=start_epoch * batches_per_epoch, info=""
         )
-        for epoch in range(start_epoch, settings.epochs):
+        for epoch in range(start_epoch, epochs):
             order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(settings.seed + epoch))
             batches = [
                 collate([examples[i] for i in order[b : b + settings.batch_sequences].tolist()])
@@ -187,7 +194,7 @@ def train_draft(
             loader = accelerator.prepare_data_loader(torch.utils.data.DataLoader(batches, batch_size=None))
             totals = {"loss": 0.0, "acceptance": 0.0, "accuracy": [0.0] * settings.ttt_steps, "batches": 0}
             draft.train()
-            for batch in loader:
+            for batch in itertools.islice(loader, total - epoch * batches_per_epoch):
                 with accelerator.autocast():
                     loss, accuracy, expected = ttt_loss(accelerator.unwrap_model(draft), batch, head, settings)
                 accelerator.backward(loss)
@@ -206,6 +213,7 @@ def train_draft(
             history.append(
                 {
                     "epoch": epoch + 1,
+                    "steps": epoch * batches_per_epoch + totals["batches"],  # optimizer steps so far
                     "loss": totals["loss"] / n,
                     "acceptance_estimate": totals["acceptance"] / n,
                     "step_accuracy": [a / n for a in totals["accuracy"]],
@@ -213,7 +221,7 @@ def train_draft(
                 }
             )
             console.print(
-                f"speculator: epoch {epoch + 1}/{settings.epochs} loss {history[-1]['loss']:.4f} "
+                f"speculator: epoch {epoch + 1}/{epochs} loss {history[-1]['loss']:.4f} "
                 f"acceptance estimate {history[-1]['acceptance_estimate']:.2f}"
             )
             if accelerator.is_main_process:

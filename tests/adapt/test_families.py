@@ -31,13 +31,18 @@ def test_whole_model_parity(arch: str, dtype: torch.dtype, request) -> None:
         assert "index_sets" not in result
     fast = result["fast"]  # the weight-absorbed decode against the same reference continuations
     if dtype == torch.float32:
-        assert fast["greedy_match_rate"] == 1.0
+        assert fast["greedy_match_rate"] == 1.0 and fast["logprobs_close"] and fast["top1_agreement"] >= 0.99
 
 
-def test_plain_families_report_no_fast_block(tiny_llama: Path) -> None:
-    result = measure_parity(inspect_checkpoint(tiny_llama), torch.float32, num_prompts=2)
-    assert "fast" not in result and "index_sets" not in result
-    assert result["greedy_match_rate"] == 1.0
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_plain_families_report_the_fast_numerics_too(tiny_llama: Path, dtype: torch.dtype) -> None:
+    result = measure_parity(inspect_checkpoint(tiny_llama), dtype, num_prompts=3)
+    assert "index_sets" not in result
+    assert result["greedy_match_rate"] == 1.0 and result["max_abs_logit_diff"] == 0.0  # exact: bitwise
+    fast = result["fast"]
+    assert set(fast) >= {"max_abs_logit_diff", "top1_agreement", "greedy_match_rate", "logprobs_close"}
+    assert fast["logprobs_close"] and fast["top1_agreement"] >= 0.99
+    assert fast["max_abs_logit_diff"] <= (1e-4 if dtype == torch.float32 else 0.1)
 
 
 def _prompts(path: Path) -> list[list[int]]:

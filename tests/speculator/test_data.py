@@ -48,3 +48,23 @@ def test_responses_are_the_greedy_one_then_seeded_samples(tiny_llama: Path) -> N
     assert len(set(responses[0::2])) == 3  # three different responses to the first prompt
     again = generate_responses(engine, prompts, 10, responses_per_prompt=3, temperature=1.0)
     assert [tuple(s.token_ids) for s in again] == responses  # seeded: the same data every run
+
+
+def test_responses_at_any_concurrency_are_the_same_data(tiny_llama: Path) -> None:
+    """`max_in_flight` caps the requests in the engine at once (one engine, several concurrencies)."""
+    engine = LLMEngine(tiny_llama, EngineConfig(block_size=4, num_blocks=256, max_model_len=256), dtype=torch.float32)
+    prompts = [ChatPrompt([5, 17, 99, 23], "chat", "a", "a:1"), ChatPrompt([40, 41, 42], "math", "b", "b:1")]
+    everything = generate_responses(engine, prompts, 10, responses_per_prompt=3, temperature=1.0)
+    seen: list[int] = []
+    add = engine.add_request
+
+    def counting(prompt, params):  # how many requests are unfinished when each one is added
+        seen.append(engine.scheduler.num_running + engine.scheduler.num_waiting)
+        return add(prompt, params)
+
+    engine.add_request = counting  # type: ignore[method-assign]
+    capped = generate_responses(engine, prompts, 10, responses_per_prompt=3, temperature=1.0, max_in_flight=2)
+    assert len(seen) == 6 and max(seen) <= 1  # never a third one queued beside two
+    assert [(s.token_ids, s.num_prompt_tokens, s.traffic) for s in capped] == [
+        (s.token_ids, s.num_prompt_tokens, s.traffic) for s in everything
+    ]
