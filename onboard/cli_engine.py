@@ -50,8 +50,8 @@ def bench(
     path: Annotated[
         Path,
         typer.Argument(
-            help="a run directory (its artifact) or a checkpoint directory; with --endpoint, only its tokenizer "
-            "is used, to render the prompts every server gets"
+            help="a run directory (its artifact), a checkpoint directory or a .gguf file; with --endpoint, only "
+            "its tokenizer is used, to render the prompts every server gets"
         ),
     ],
     data: Annotated[Path | None, typer.Option(help="prompts (default: the project's eval split)")] = None,
@@ -89,13 +89,14 @@ def bench(
         typer.Option(min=1, help="with --endpoint: requests per concurrency level (default: 4 x concurrency, >= 8)"),
     ] = None,
 ) -> None:
-    """Engine against transformers.generate: tokens/s at concurrency 1 and 16, prefix-cache TTFT;
-    with --speculator, the speculator's acceptance and speed-up in the engine instead; with
+    """The engine in exact and fast numerics against transformers.generate and llama.cpp (the demo's
+    released GGUF, concurrency 1): tokens/s at concurrency 1, 16 and 64 with ratios, prefix-cache TTFT;
+    with --speculator, the speculator's acceptance and speed-up in the engine (fast numerics) instead; with
     --endpoint, servers under load (streamed completions at each --concurrency: TTFT, inter-token
     latency, time per output token, end-to-end latency, tokens/s), side by side."""
     from onboard import atomic
     from onboard.console import console
-    from onboard.models import inspect_checkpoint
+    from onboard.models import inspect_checkpoint, resolve_model
 
     model_dir = model_dir_of(path)
     if endpoint:
@@ -118,7 +119,10 @@ def bench(
     for flag, value in given.items():
         if value:
             raise OnboardError(f"{flag} needs --endpoint")
-    checkpoint = inspect_checkpoint(model_dir)
+    gguf = path if path.suffix.lower() == ".gguf" else None
+    if gguf is not None and speculator:
+        raise OnboardError("--speculator measures a run directory's speculator, not a .gguf file")
+    checkpoint = inspect_checkpoint(model_dir) if gguf is None else resolve_model(gguf)
     device = check_device(device)
     if speculator:
         from onboard.speculator.measure import run_spec_bench
@@ -135,7 +139,7 @@ def bench(
     else:
         from onboard.bench import bench_table, run_bench
 
-        result = run_bench(checkpoint, existing_data(data), device)
+        result = run_bench(checkpoint, existing_data(data), device, gguf=gguf)
         console.print(bench_table(result))
     if out:
         atomic.write_json(out, result)

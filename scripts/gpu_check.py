@@ -228,34 +228,18 @@ def greedy(max_tokens: int, logprobs: int | None = None):
 # ---------------------------------------------------------------------------------------------
 
 
-def _draft_classes():
-    from onboard.speculator.draft import Eagle3Draft
-
-    class DeviceBridgedDraft(Eagle3Draft):
-        """Moves the step inputs the engine's speculator builds on the CPU (token ids, positions,
-        mask) to the draft's device; used only when the plain draft fails off the CPU, and reported."""
-
-        def step(self, input_ids, hidden, position_ids, attention_mask, cache):  # type: ignore[override]
-            device = self.fc.weight.device
-            mask = None if attention_mask is None else attention_mask.to(device)
-            return super().step(input_ids.to(device), hidden.to(device), position_ids.to(device), mask, cache)
-
-    return Eagle3Draft, DeviceBridgedDraft
-
-
 def build_draft(engine, shape: Shape, dtype: torch.dtype, seed: int):
     """A random-weight EAGLE-3 draft for the engine's model, on its device: draft vocabulary a seeded
     random subset of `shape.draft_vocab_size` target ids, auxiliary layers 2, L//2 and L-3."""
     from onboard.speculator.data import default_aux_layers
-    from onboard.speculator.draft import draft_layer_config
+    from onboard.speculator.draft import Eagle3Draft, draft_layer_config
 
-    eagle3, _ = _draft_classes()
     text = engine.hf_config.get_text_config()
     size = min(shape.draft_vocab_size, engine.vocab_size)
     ids = torch.randperm(engine.vocab_size, generator=torch.Generator().manual_seed(seed))[:size].sort().values
     torch.manual_seed(seed)
     with torch.device(engine.config.device):  # factory calls inside (set_vocab's arange too) land there
-        draft = eagle3(draft_layer_config(engine.hf_config), size, default_aux_layers(text.num_hidden_layers))
+        draft = Eagle3Draft(draft_layer_config(engine.hf_config), size, default_aux_layers(text.num_hidden_layers))
         draft.set_vocab(ids.to(engine.config.device))
         target = engine.target_tensors()
         draft.init_from_target(target["embed_tokens"], target["lm_head"], target["norm"])
@@ -551,7 +535,6 @@ class GpuCheck:
         }
 
     def spec(self, numerics: str) -> None:
-        _, bridged_class = _draft_classes()
         dtype = torch.bfloat16
         self.report["spec"][numerics] = None
         engine = self.engine(numerics, dtype)
@@ -571,27 +554,10 @@ class GpuCheck:
             "num_speculative_tokens": self.s.spec_k,
             "draft_vocab_size": draft.draft_vocab_size,
             "aux_layer_ids": draft.aux_layer_ids,
-            "bridged": False,
-            "native_error": None,
         }
-        try:
-            engine.set_speculator(draft, self.s.spec_k)
-            began = time.monotonic()
-            spec = engine.generate(prompts, params)
-        except Exception as err:
-            # The engine's speculator may build its inputs on the CPU: record the failure, then
-            # measure exactness with the inputs moved to the draft's device.
-            result["native_error"] = _first_line(err)
-            result["native_traceback"] = traceback.format_exc()[-3000:]
-            for request_id in list(engine.requests):
-                engine.abort(request_id)
-            if engine.has_unfinished():
-                raise RuntimeError("requests left running after the failed speculative run") from err
-            draft.__class__ = bridged_class
-            result["bridged"] = True
-            engine.set_speculator(draft, self.s.spec_k)
-            began = time.monotonic()
-            spec = engine.generate(prompts, params)
+        engine.set_speculator(draft, self.s.spec_k)
+        began = time.monotonic()
+        spec = engine.generate(prompts, params)
         self.sync()
         spec_s = time.monotonic() - began
         stats = engine.speculator.stats
@@ -716,10 +682,6 @@ class GpuCheck:
         if not exact:
             reasons.append(f"exact spec decoding did not run ({phases.get('spec_exact', {}).get('status', 'missing')})")
         else:
-            if exact["native_error"]:
-                reasons.append(
-                    f"spec decoding fails on {self.device.type} with the draft there: {exact['native_error']}"
-                )
             if not exact["exact"]:
                 bad = round((1 - exact["prompt_match_rate"]) * exact["num_prompts"])
                 reasons.append(
@@ -790,7 +752,7 @@ def print_tables(report: dict[str, Any]) -> None:
     console.print(table)
 
     table = Table(title="speculative decoding (random EAGLE-3 draft) vs plain greedy, bf16")
-    for col in ("numerics", "k", "exact", "prompt match", "token match", "accept len", "bridged", "native error"):
+    for col in ("numerics", "k", "exact", "prompt match", "token match", "accept len"):
         table.add_column(col, justify="right")
     for name, row in report["spec"].items():
         if row:
@@ -801,8 +763,6 @@ def print_tables(report: dict[str, Any]) -> None:
                 _num(row["prompt_match_rate"]),
                 _num(row["token_match_rate"]),
                 _num(row["acceptance_length"]),
-                _num(row["bridged"]),
-                (row["native_error"] or "-")[:40],
             )
     console.print(table)
 

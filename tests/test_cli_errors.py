@@ -287,6 +287,11 @@ def make_cases(i: Inputs) -> dict[str, Case]:
             ["'huge'", "quick"],
             i.existing_dir,
         ),
+        "demo_unknown_numerics": Case(
+            ["demo", "--numerics", "turbo"],
+            ["--numerics", "'turbo'", "fast"],
+            i.existing_dir,
+        ),
         "bench_speculator_missing": Case(
             ["bench", m, "--speculator"],
             ["holds no speculator"],
@@ -412,6 +417,7 @@ CASES = [
     "gate_not_a_run_dir",
     "run_unknown_stage",
     "demo_unknown_profile",
+    "demo_unknown_numerics",
     "bench_speculator_missing",
     "serve_speculator_missing",
     "run_max_tokens_0",

@@ -79,7 +79,6 @@ def test_tiny_run_on_cpu_writes_every_section(tmp_path: Path) -> None:
 
     exact, fast = report["spec"]["exact"], report["spec"]["fast"]
     assert exact["exact"] is True and exact["token_match_rate"] == 1.0
-    assert exact["native_error"] is None and exact["bridged"] is False
     assert exact["num_drafts"] > 0 and exact["acceptance_length"] >= 1.0
     assert exact["kv_blocks_all_free"] is True and exact["num_prompts"] == SPEC_PROMPTS
     assert 0.0 <= fast["token_match_rate"] <= 1.0 and fast["num_drafts"] > 0
@@ -93,14 +92,12 @@ def test_verdict_names_each_failure(gpu_check) -> None:
     ]
     check.report["parity"]["float32"] = {"top1_agreement": 0.9}
     check.report["spec"]["exact"] = {
-        "native_error": "RuntimeError: Expected all tensors to be on the same device",
         "exact": False,
         "prompt_match_rate": 0.75,
         "num_prompts": 16,
     }
     assert check.verdict() == [
         "fp32 exact parity top-1 agreement 0.9000 < 0.99",
-        "spec decoding fails on cpu with the draft there: RuntimeError: Expected all tensors to be on the same device",
         "spec decoding (exact numerics) differs from plain greedy on 4/16 prompts",
     ]
 
@@ -114,25 +111,3 @@ def test_engine_config_holds_the_widest_batch(gpu_check) -> None:
     assert config.num_blocks * config.block_size >= 64 * (128 + 64)
     assert config.max_num_batched_tokens >= 64 * 128
     assert config.enable_prefix_caching is False
-
-
-def test_a_draft_failing_on_its_device_is_bridged_and_fails_the_verdict(gpu_check, tmp_path: Path, monkeypatch) -> None:
-    """Where the draft cannot run with the inputs the engine's speculator builds (on a GPU: CPU
-    token ids), the check records the error, measures exactness with the inputs moved, and fails."""
-    eagle3, bridged = gpu_check._draft_classes()
-
-    class WrongDevice(eagle3):
-        def step(self, *args, **kwargs):
-            raise RuntimeError("Expected all tensors to be on the same device, but found cuda:0 and cpu!")
-
-    monkeypatch.setattr(gpu_check, "_draft_classes", lambda: (WrongDevice, bridged))
-    argv = ["--shape=tiny", "--device=cpu", f"--out={tmp_path / 'r.json'}", f"--workdir={tmp_path}"]
-    argv += ["--phases=spec_exact", "--spec-prompts=2", "--spec-tokens=6"]
-    assert gpu_check.main(argv) == 1
-    report = json.loads((tmp_path / "r.json").read_text())
-    exact = report["spec"]["exact"]
-    assert exact["native_error"].startswith("RuntimeError: Expected all tensors to be on the same device")
-    assert exact["bridged"] is True and exact["exact"] is True and exact["num_drafts"] > 0
-    assert exact["kv_blocks_all_free"] is True
-    assert report["phases"]["parity_fp32"]["status"] == "skipped (not selected)"
-    assert report["reason"].startswith("fp32 parity did not run (skipped (not selected)); spec decoding fails on cpu")

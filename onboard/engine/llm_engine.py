@@ -43,7 +43,7 @@ class LLMEngine:
         self.speculator: Speculator | None = None
 
     def set_speculator(self, draft, num_speculative_tokens: int) -> None:
-        """Decode with an EAGLE-3 draft from now on (`draft` None: without one)."""
+        """Decode with an EAGLE-3 draft from now on (`draft` None: without one), run in the model's dtype."""
         if self.has_unfinished():
             raise RuntimeError("the speculator can only change while no request runs")
         if draft is not None:
@@ -58,7 +58,8 @@ class LLMEngine:
                 raise ValueError(
                     f"the speculator reads layers {draft.aux_layer_ids}; the model has {text.num_hidden_layers}"
                 )
-        self.speculator = Speculator(draft, num_speculative_tokens) if draft is not None else None
+        dtype = self.runner.model.dtype
+        self.speculator = Speculator(draft, num_speculative_tokens, dtype) if draft is not None else None
 
     # -- what stages may read -----------------------------------------------------------------
 

@@ -23,6 +23,7 @@ prefix-cache hit skipped are not fed to the draft (it attends only to what its r
 which costs acceptance, never correctness.
 """
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -66,7 +67,11 @@ class Verdict:
 
 
 class Speculator:
-    def __init__(self, draft, num_speculative_tokens: int):
+    def __init__(self, draft, num_speculative_tokens: int, dtype: torch.dtype | None = None):
+        """`dtype`: what the draft runs in (a copy of it; vLLM runs drafts in the served model's dtype):
+        a float32 draft reads twice the bytes of a bf16 one per proposal, on a memory-bound decode."""
+        if dtype is not None and next(p for p in draft.parameters()).dtype != dtype:
+            draft = copy.deepcopy(draft).to(dtype)
         self.draft = draft.eval()
         self.k = num_speculative_tokens
         self.aux_layers = tuple(draft.aux_layer_ids)

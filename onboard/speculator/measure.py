@@ -122,14 +122,16 @@ def run_spec_bench(
     num_prompts: int,
     max_tokens: int,
     device: str = "cpu",
+    numerics: str = "fast",
 ) -> dict[str, Any]:
-    """`onboard bench --speculator`: the run's draft (and any `others`) on the same held-out prompts."""
+    """`onboard bench --speculator`: the run's draft (and any `others`) on the same held-out prompts,
+    in the numerics that serve."""
     from onboard.console import console
     from onboard.engine.config import EngineConfig
     from onboard.engine.llm_engine import LLMEngine
     from onboard.speculator.export import load_speculator, speculative_tokens
 
-    engine = LLMEngine(artifact, EngineConfig(device=device, enable_prefix_caching=False))
+    engine = LLMEngine(artifact, EngineConfig(device=device, numerics=numerics, enable_prefix_caching=False))
     records = load_records(data) if data is not None else None
     prompts = held_out_prompts(engine.tokenizer, ["chat", "code", "math"], records, num_prompts)
     results = {}
@@ -146,5 +148,6 @@ def run_spec_bench(
         "spec_speedup": main["speedup"],
         "spec_lossless_greedy": main["spec_lossless_greedy"],
         "spec_greedy_exact_rate": main["spec_greedy_exact_rate"],
+        "numerics": numerics,
         "speculators": results,
     }

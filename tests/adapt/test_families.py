@@ -40,9 +40,10 @@ def test_plain_families_report_the_fast_numerics_too(tiny_llama: Path, dtype: to
     assert "index_sets" not in result
     assert result["greedy_match_rate"] == 1.0 and result["max_abs_logit_diff"] == 0.0  # exact: bitwise
     fast = result["fast"]
-    assert set(fast) >= {"max_abs_logit_diff", "top1_agreement", "greedy_match_rate", "logprobs_close"}
+    assert set(fast) >= {"max_abs_logprob_diff", "top1_agreement", "greedy_match_rate", "logprobs_close"}
+    assert 0 < fast["num_decode_positions"] <= 3 * 64  # every generated token
     assert fast["logprobs_close"] and fast["top1_agreement"] >= 0.99
-    assert fast["max_abs_logit_diff"] <= (1e-4 if dtype == torch.float32 else 0.1)
+    assert fast["max_abs_logprob_diff"] <= (1e-4 if dtype == torch.float32 else 0.1)
 
 
 def _prompts(path: Path) -> list[list[int]]:

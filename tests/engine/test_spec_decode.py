@@ -172,3 +172,14 @@ def test_speculative_sampling_is_distributed_as_plain_sampling(tiny_llama: Path)
     result = scipy_stats.chi2_contingency(table.numpy())
     assert result.pvalue > 0.001, (result.pvalue, table)
     assert_drained(engine)
+
+
+def test_the_draft_runs_in_the_models_dtype_on_a_copy(tiny_llama: Path) -> None:
+    engine = make_engine(tiny_llama, torch.bfloat16)
+    draft = seeded_draft(tiny_llama, engine, torch.arange(engine.vocab_size), seed=0)  # float32, as trained
+    engine.set_speculator(draft, 2)
+    assert engine.speculator.draft.fc.weight.dtype == torch.bfloat16
+    assert draft.fc.weight.dtype == torch.float32  # the caller's draft (exported as trained) is untouched
+    (plain,) = make_engine(tiny_llama, torch.bfloat16).generate([list(range(3, 20))], greedy(12))
+    (spec,) = engine.generate([list(range(3, 20))], greedy(12))
+    assert spec.token_ids == plain.token_ids
