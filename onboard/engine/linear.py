@@ -37,15 +37,6 @@ def onednn_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return mkldnn._reorder_linear_weight(weight.contiguous(), 1)
 
 
-def batch_invariant_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`torch.bmm(a, b)` for `a` `[batch, rows, k]` whose rows do not depend on how many there are:
-    as in `EngineLinear`, a single row runs padded to two (the CPU's one-row kernel sums in
-    another order)."""
-    if a.shape[1] == 1 and a.device.type == "cpu":
-        return torch.bmm(a.expand(-1, 2, -1), b)[:, :1]
-    return torch.bmm(a, b)
-
-
 class EngineLinear(torch.nn.Module):
     """y = quant(x) @ W.T + b, with W already dequantized to the compute dtype and `quant` the
     format's activation fake-quantization (None for weight-only and unquantized layers).

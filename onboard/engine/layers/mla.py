@@ -35,7 +35,6 @@ from onboard.engine.kv_cache import KVTensorSpec
 from onboard.engine.layers.dsa import Indexer, Selection
 from onboard.engine.layers.norm import RMSNorm
 from onboard.engine.layers.weight_source import WeightSource, fused_or_split
-from onboard.engine.linear import batch_invariant_bmm
 from onboard.engine.rope import apply_rotary, apply_rotary_interleaved
 
 _LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
@@ -150,13 +149,13 @@ class MLAttention(torch.nn.Module):
             rows = meta.decode_rows
             selected = selection.decode if selection is not None else None
             if self.absorbable and ctx.numerics == "fast":
-                q_lat = batch_invariant_bmm(q_pass[rows].transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, h, rank]
+                q_lat = torch.bmm(q_pass[rows].transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, h, rank]
                 q_abs = torch.cat([q_lat, q_rot[rows]], dim=-1)
                 out = ctx.backend.decode(
                     q_abs, self.layer_idx, ctx.cache, meta, self.scale, keys="latent", values=None,
                     value_dim=rank, selected=selected, fold_heads=True,
                 )  # fmt: skip
-                decode_out = batch_invariant_bmm(out.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [B, h, v]
+                decode_out = torch.bmm(out.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [B, h, v]
             else:
                 decode_out = self._decode_expanded(query[rows], selected, ctx)
             if not meta.prefill:
