@@ -16,7 +16,7 @@ ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
 
 
 def attention_backend(device: torch.device | str, name: str | None = None, numerics: str = "exact") -> AttentionBackend:
-    """The backend `name`, or the default: in fast numerics the batched folded one; in exact
+    """The backend `name`, or the default: in fast numerics the folded one (`fast.py`); in exact
     numerics per-row on the CPU, padded SDPA elsewhere."""
     device = torch.device(device)
     if name is None:
