@@ -32,7 +32,13 @@ PREFIX_TOKENS = 2000
 MAX_PROMPT_TOKENS = 256
 CONCURRENCY = (1, 16, 64)  # requests at once; concurrency 1 is the mean over C1_PROMPTS prompts, one by one
 C1_PROMPTS = 4
-NUMERICS = ("exact", "fast")
+# The engine's sides: (side, numerics, batch_invariant).  Fast numerics twice: batch invariant (what
+# `serve` runs by default and `smoke` checks) and without it (`serve --no-batch-invariant`).
+ENGINE_SIDES = (
+    ("engine_exact", "exact", True),
+    ("engine_fast", "fast", True),
+    ("engine_fast_noninvariant", "fast", False),
+)
 
 
 def _prompts(tokenizer, data: Path | None, count: int) -> list[list[int]]:
@@ -134,13 +140,15 @@ def run_bench(checkpoint: Checkpoint, data: Path | None, device: str = "cpu", gg
     gc.collect()
 
     bytes_per_step = {}
-    for numerics in NUMERICS:
-        config = EngineConfig(device=device, numerics=numerics, max_num_seqs=max(CONCURRENCY))
+    for side, numerics, batch_invariant in ENGINE_SIDES:
+        config = EngineConfig(
+            device=device, numerics=numerics, batch_invariant=batch_invariant, max_num_seqs=max(CONCURRENCY)
+        )
         engine = LLMEngine(checkpoint.path, config)
         timer = partial(engine_tps, engine, new_tokens=NEW_TOKENS)
-        result |= _sweep(f"engine_{numerics}", f"engine {numerics}", timer, prompts)
-        bytes_per_step[numerics] = engine.weight_bytes_per_decode_step()
-        if numerics == "fast":
+        result |= _sweep(side, side.replace("_", " "), timer, prompts)
+        bytes_per_step[side] = engine.weight_bytes_per_decode_step()
+        if side == "engine_fast":
             result |= _prefix_ttft(engine, tokenizer, prompts)
             result["kv_bytes_per_token"] = engine.kv_layout.bytes_per_token()
         del engine, timer
@@ -150,15 +158,25 @@ def run_bench(checkpoint: Checkpoint, data: Path | None, device: str = "cpu", gg
 
     console.print("bench: memory bandwidth ...")
     bandwidth = memory_bandwidth()
-    fast_c1, exact_c1 = result["engine_fast_c1_tps"], result["engine_exact_c1_tps"]
     for n in CONCURRENCY:
         result[f"fast_over_hf_c{n}"] = _ratio(result[f"engine_fast_c{n}_tps"], result[f"hf_c{n}_tps"])
-    result["fast_over_llama_cpp_c1"] = _ratio(fast_c1, result["llama_cpp_c1_tps"])
+        result[f"fast_noninvariant_over_hf_c{n}"] = _ratio(
+            result[f"engine_fast_noninvariant_c{n}_tps"], result[f"hf_c{n}_tps"]
+        )
+    for prefix, side in (("fast", "engine_fast"), ("fast_noninvariant", "engine_fast_noninvariant")):
+        result[f"{prefix}_over_llama_cpp_c1"] = _ratio(result[f"{side}_c1_tps"], result["llama_cpp_c1_tps"])
+    fractions = {
+        key: bytes_per_step[side] * result[f"{side}_c1_tps"] / bandwidth
+        for key, side in (
+            ("bandwidth_fraction_c1", "engine_fast"),
+            ("bandwidth_fraction_c1_exact", "engine_exact"),
+            ("bandwidth_fraction_c1_noninvariant", "engine_fast_noninvariant"),
+        )
+    }
     return result | {
-        "weight_bytes_per_decode_step": bytes_per_step["fast"],
+        "weight_bytes_per_decode_step": bytes_per_step["engine_fast"],
         "memory_bandwidth_gbps": bandwidth / 1e9,
-        "bandwidth_fraction_c1": bytes_per_step["fast"] * fast_c1 / bandwidth,
-        "bandwidth_fraction_c1_exact": bytes_per_step["exact"] * exact_c1 / bandwidth,
+        **fractions,
     }
 
 
@@ -176,13 +194,19 @@ def bench_table(result: dict[str, Any]) -> RenderableType:
         title=f"tokens/s: same weights, same prompts, greedy, {result['new_tokens']} new tokens per request",
         title_justify="left",
     )
-    columns = ("concurrency", "transformers", "engine exact", "engine fast", "llama.cpp")
-    for column in (*columns, "fast ÷ transformers", "fast ÷ llama.cpp"):
+    columns = ("concurrency", "transformers", "engine exact", "engine fast", "fast, not invariant", "llama.cpp")
+    ratio_columns = ("fast ÷ transformers", "not invariant ÷ transformers", "fast ÷ llama.cpp")
+    for column in (*columns, *ratio_columns):
         speed.add_column(column, justify="right")
+    sides = ("hf", "engine_exact", "engine_fast", "engine_fast_noninvariant", "llama_cpp")
     for n in result.get("concurrency", CONCURRENCY):
-        cells = [result.get(f"{side}_c{n}_tps") for side in ("hf", "engine_exact", "engine_fast", "llama_cpp")]
+        cells = [result.get(f"{side}_c{n}_tps") for side in sides]
         label = f"{n} (mean of {C1_PROMPTS})" if n == 1 else str(n)
-        ratios = result.get(f"fast_over_hf_c{n}"), result.get(f"fast_over_llama_cpp_c{n}")
+        ratios = (
+            result.get(f"fast_over_hf_c{n}"),
+            result.get(f"fast_noninvariant_over_hf_c{n}"),
+            result.get(f"fast_over_llama_cpp_c{n}"),
+        )
         speed.add_row(label, *map(_tps, cells), *map(_times, ratios))
     if result.get("llama_cpp_skipped"):
         speed.caption = Text(f"llama.cpp skipped: {result['llama_cpp_skipped']}")
@@ -201,9 +225,11 @@ def bench_table(result: dict[str, Any]) -> RenderableType:
     )
     other.add_row("memory read bandwidth, one process", f"{result['memory_bandwidth_gbps']:.1f} GB/s", "")
     fast, exact = result["bandwidth_fraction_c1"], result["bandwidth_fraction_c1_exact"]
+    variant = result.get("bandwidth_fraction_c1_noninvariant")
     other.add_row(
         "bandwidth bound reached, concurrency 1",
-        f"fast {100 * fast:.1f} %, exact {100 * exact:.1f} %",
+        f"fast {100 * fast:.1f} %, exact {100 * exact:.1f} %"
+        + (f", fast not invariant {100 * variant:.1f} %" if variant is not None else ""),
         f"{result['weight_bytes_per_decode_step'] / 1e6:.1f} MB of weights per decode step",
     )
     return Group(speed, other)

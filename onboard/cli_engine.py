@@ -202,6 +202,13 @@ def serve(
         typer.Option(min=-1, help="most logprobs / top_logprobs / prompt_logprobs per request (-1: no limit)"),
     ] = 20,
     numerics: NumericsOpt = "fast",
+    batch_invariant: Annotated[
+        bool,
+        typer.Option(
+            help="a request's tokens do not depend on what else is batched (what `smoke` checks); "
+            "--no-batch-invariant: fast numerics' fastest kernels, as vLLM serves by default"
+        ),
+    ] = True,
 ) -> None:
     """OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics) on the engine;
     with --engine vllm|sglang, the production engine's command for the artifact (RUN_DIR/serve/ENGINE.sh)."""
@@ -211,8 +218,9 @@ def serve(
     if engine != "onboard":
         if device is not None:
             raise OnboardError(f"--device is an option of the built-in engine, not of --engine {engine}")
-        if numerics != "fast":
-            raise OnboardError(f"--numerics is an option of the built-in engine, not of --engine {engine}")
+        if numerics != "fast" or not batch_invariant:
+            option = "--numerics" if numerics != "fast" else "--no-batch-invariant"
+            raise OnboardError(f"{option} is an option of the built-in engine, not of --engine {engine}")
         if engine == "sglang" and max_logprobs != 20:  # vLLM's default and ours
             raise OnboardError("--max-logprobs applies to vllm and the built-in engine, not to --engine sglang")
         deploy.serve_external(
@@ -244,10 +252,14 @@ def serve(
     if speculator is not None and not (speculator / "config.json").is_file():
         raise OnboardError(f"--speculator {speculator}: not a speculator export (no config.json)")
     device = check_device(device or "cpu")
+    numerics = check_numerics(numerics)
+    if numerics == "exact" and not batch_invariant:
+        raise OnboardError("--no-batch-invariant needs --numerics fast: exact numerics is always batch invariant")
     config = EngineConfig(
         **({"max_model_len": max_model_len} if max_model_len else {}),
         max_logprobs=max_logprobs,
-        numerics=check_numerics(numerics),
+        numerics=numerics,
+        batch_invariant=batch_invariant,
     )
     name = served_model_name or path.resolve().name
     run_server(

@@ -71,13 +71,17 @@ def test_bench_measures_every_side_at_every_concurrency(bench_run: dict) -> None
     assert CONCURRENCY == (1, 16, 64) and result["concurrency"] == [1, 16, 64]
     assert result["new_tokens"] == 3
     for n in CONCURRENCY:
-        for side in ("hf", "engine_exact", "engine_fast"):
+        for side in ("hf", "engine_exact", "engine_fast", "engine_fast_noninvariant"):
             assert result[f"{side}_c{n}_tps"] > 0, (side, n)
         assert result[f"fast_over_hf_c{n}"] == pytest.approx(result[f"engine_fast_c{n}_tps"] / result[f"hf_c{n}_tps"])
+        assert result[f"fast_noninvariant_over_hf_c{n}"] == pytest.approx(
+            result[f"engine_fast_noninvariant_c{n}_tps"] / result[f"hf_c{n}_tps"]
+        )
     assert not {"engine_c1_tps", "engine_c16_tps"} & result.keys()  # the old single-engine keys are gone
     assert result["prefix_tokens"] == 48 and result["prefix_ttft_cold_s"] > 0 and result["prefix_ttft_warm_s"] > 0
     assert result["weight_bytes_per_decode_step"] > 0 and result["memory_bandwidth_gbps"] > 0
     assert result["bandwidth_fraction_c1"] > 0 and result["bandwidth_fraction_c1_exact"] > 0
+    assert result["bandwidth_fraction_c1_noninvariant"] > 0
     # The tiny checkpoint is not the demo and no GGUF came with it: llama.cpp is skipped, with the reason.
     assert result["llama_cpp_c1_tps"] is None and result["fast_over_llama_cpp_c1"] is None
     assert "no GGUF file of this model is known" in result["llama_cpp_skipped"]
@@ -86,12 +90,17 @@ def test_bench_measures_every_side_at_every_concurrency(bench_run: dict) -> None
 
 def test_bench_builds_both_numerics_with_room_for_64_sequences(bench_run: dict) -> None:
     built = bench_run["built"]
-    assert [config.numerics for config, _ in built] == ["exact", "fast"]
+    assert [(config.numerics, config.batch_invariant) for config, _ in built] == [
+        ("exact", True),
+        ("fast", True),
+        ("fast", False),
+    ]
     assert all(config.max_num_seqs == 64 for config, _ in built)
     # A warm-up, the 4 prompts one by one, then 16 and 64 prompts at once; the fast engine then
     # also times the shared prefix's first token, cold and warm.
     assert built[0][1] == [1, 1, 1, 1, 1, 16, 64]
     assert built[1][1] == [1, 1, 1, 1, 1, 16, 64, 1, 1]
+    assert built[2][1] == [1, 1, 1, 1, 1, 16, 64]
 
 
 def test_bench_table_shows_every_side_and_the_skip_reason(bench_run: dict) -> None:
@@ -100,17 +109,18 @@ def test_bench_table_shows_every_side_and_the_skip_reason(bench_run: dict) -> No
     console = Console(record=True, width=220)
     console.print(bench_table(bench_run["result"]))
     text = console.export_text()
-    for column in ("transformers", "engine exact", "engine fast", "llama.cpp", "fast ÷ transformers"):
+    for column in ("transformers", "engine exact", "engine fast", "not invariant", "llama.cpp", "fast ÷ transformers"):
         assert column in text
     cells = [[c.strip() for c in line.strip("│").split("│")] for line in text.splitlines() if line.startswith("│")]
-    speed = {row[0]: row[1:] for row in cells if len(row) == 7}
+    speed = {row[0]: row[1:] for row in cells if len(row) == 9}
     assert set(speed) == {"1 (mean of 4)", "16", "64"}
     result = bench_run["result"]
     for label, n in (("1 (mean of 4)", 1), ("16", 16), ("64", 64)):
-        hf, exact, fast, llama, over_hf, over_llama = speed[label]
-        sides = ("hf", "engine_exact", "engine_fast")
-        assert (hf, exact, fast) == tuple(f"{result[f'{side}_c{n}_tps']:.1f}" for side in sides)
+        hf, exact, fast, variant, llama, over_hf, variant_over_hf, over_llama = speed[label]
+        sides = ("hf", "engine_exact", "engine_fast", "engine_fast_noninvariant")
+        assert (hf, exact, fast, variant) == tuple(f"{result[f'{side}_c{n}_tps']:.1f}" for side in sides)
         assert over_hf == f"{result[f'fast_over_hf_c{n}']:.2f}×"
+        assert variant_over_hf == f"{result[f'fast_noninvariant_over_hf_c{n}']:.2f}×"
         assert llama == over_llama == "—"  # skipped here; at 16 and 64 llama.cpp is never run
     assert "llama.cpp skipped: no GGUF file of this model is known" in text
     assert "48-token shared prefix" in text and "bandwidth bound reached" in text

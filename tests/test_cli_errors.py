@@ -297,6 +297,11 @@ def make_cases(i: Inputs) -> dict[str, Case]:
             ["holds no speculator"],
             i.existing_dir,
         ),
+        "serve_exact_not_invariant": Case(
+            ["serve", m, "--numerics", "exact", "--no-batch-invariant"],
+            ["--no-batch-invariant", "exact numerics is always batch invariant"],
+            i.existing_dir,
+        ),
         "serve_speculator_missing": Case(
             ["serve", m, "--speculator", str(i.existing_dir)],
             ["not a speculator export"],
@@ -419,6 +424,7 @@ CASES = [
     "demo_unknown_profile",
     "demo_unknown_numerics",
     "bench_speculator_missing",
+    "serve_exact_not_invariant",
     "serve_speculator_missing",
     "run_max_tokens_0",
     "out_is_a_file",

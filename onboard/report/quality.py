@@ -98,6 +98,12 @@ def build_eval(run: Run) -> dict[str, Any]:
     )
 
 
+def fast_numerics(parity: dict[str, Any]) -> dict[str, Any] | None:
+    """parity.json's `fast` block (fast numerics against the same reference); None in runs older
+    than the block."""
+    return as_dict(parity.get("fast")) or None
+
+
 def build_parity(run: Run) -> dict[str, Any]:
     parity = run.json("adapt/parity.json")
     data = parity or {}
@@ -112,4 +118,5 @@ def build_parity(run: Run) -> dict[str, Any]:
         cases=cases,
         matched=sum(1 for c in cases if c.get("matched") is True),
         examples=[dict(cases[i], index=i) for i in shown if cases[i].get("matched") is not True],
+        fast=fast_numerics(data),
     )

@@ -13,10 +13,11 @@ BENCH_SIDES = (
     ("hf", "transformers"),
     ("engine_exact", "engine exact"),
     ("engine_fast", "engine fast"),
+    ("engine_fast_noninvariant", "engine fast, not batch invariant"),
     ("llama_cpp", "llama.cpp"),
 )
 BENCH_KEY = re.compile(r"^(?P<side>" + "|".join(side for side, _ in BENCH_SIDES) + r")_c(?P<n>\d+)_tps$")
-BENCH_RATIO = re.compile(r"^fast_over_(hf|llama_cpp)_c\d+$")
+BENCH_RATIO = re.compile(r"^fast(_noninvariant)?_over_(hf|llama_cpp)_c\d+$")
 
 
 def header(run: Run) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 Fast computes the same function with other roundings: its greedy tokens agree with exact's up to
 near-ties (each side's token in the other's top-5 where they part), on every family, alone and
 batched; fp32 keeps the decode logits within float rounding.  It is batch invariant, and
-speculative decoding in it gives plain fast decoding's tokens exactly."""
+speculative decoding in it gives plain fast decoding's tokens exactly.  Without batch invariance
+(`batch_invariant=False`: the one-row GEMV, one padded attention call) it still agrees with exact
+up to near-ties."""
 
 from pathlib import Path
 
@@ -45,6 +47,21 @@ def test_fast_numerics_selects_the_fast_backend(tiny_llama: Path) -> None:
     assert explicit.runner.backend.name == "sdpa"  # an explicit backend wins
 
 
+def test_fast_without_batch_invariance_selects_its_kernels(tiny_llama: Path) -> None:
+    from onboard.engine.linear import EngineLinear
+
+    def linears(engine: LLMEngine) -> list[EngineLinear]:
+        return [m for m in engine.runner.model.modules() if isinstance(m, EngineLinear)]
+
+    variant = make_engine(tiny_llama, torch.bfloat16, "fast", batch_invariant=False)
+    assert variant.runner.backend.name == "fast_batched"
+    packed = [m for m in linears(variant) if m.packed is not None]
+    assert packed and all(torch.equal(m.row_weight, m.weight) for m in packed)  # a lossless plain copy
+    assert all(m.row_weight is None for m in linears(make_engine(tiny_llama, torch.bfloat16, "fast")))
+    with pytest.raises(ValueError, match="exact numerics is always batch invariant"):
+        EngineConfig(numerics="exact", batch_invariant=False)
+
+
 CASES = [(arch, dtype) for arch in FAMILIES for dtype in (torch.float32, torch.bfloat16)]
 # MLA's weight-absorbed decode in bf16 moves tiny random models' logits by up to ~0.6 nats where
 # a routed expert flips, past their top-5 (each side's token outside the other's): fp32 only.
@@ -74,6 +91,32 @@ def test_fast_agrees_with_exact_up_to_near_ties_alone_and_batched(arch: str, dty
                 assert max(deltas) < 1e-4
     # Teacher-forced scoring is a prefill: the same kernels in both numerics.
     assert torch.equal(fast.score(work[2]), exact.score(work[2]))
+
+
+VARIANT_CASES = [
+    (arch, dtype)
+    for arch in ("tiny_llama", "tiny_qwen3", "tiny_qwen3_moe")
+    for dtype in (torch.float32, torch.bfloat16)
+]
+
+
+@pytest.mark.parametrize(("arch", "dtype"), VARIANT_CASES)
+def test_fast_without_batch_invariance_agrees_with_exact_up_to_near_ties(
+    arch: str, dtype: torch.dtype, request
+) -> None:
+    path = request.getfixturevalue(arch)
+    exact = make_engine(path, dtype, "exact")
+    variant = make_engine(path, dtype, "fast", batch_invariant=False)
+    work = prompts(4)
+    want = exact.generate(work, greedy())
+    for batch in ([work[0]], [work[3]], work):
+        got = variant.generate(batch, greedy())
+        for mine, ref in zip(got, [want[work.index(p)] for p in batch], strict=True):
+            verdict = compare_greedy(mine.token_ids, ref.token_ids, top_ids(mine), top_ids(ref))
+            assert verdict.near_tie, f"{arch}: parts from exact at token {verdict.first_divergence}"
+            if dtype == torch.float32:  # no oneDNN packing in fp32: only attention's sums move
+                deltas = [abs(a["logprob"] - b["logprob"]) for a, b in zip(mine.logprobs, ref.logprobs, strict=True)]
+                assert mine.token_ids == ref.token_ids and max(deltas) < 1e-4
 
 
 # Not DeepSeek-V3 yet: in bf16 one of these six prompts changes a token batched (a decode step's

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from onboard.engine.linear import EngineLinear, onednn_packed_weight
+from onboard.engine.linear import EngineLinear, one_row_gemv, onednn_packed_weight
 
 PACKS = onednn_packed_weight(torch.zeros(64, 128, dtype=torch.bfloat16)) is not None
 
@@ -56,3 +56,20 @@ def test_a_row_gives_the_same_result_alone_and_in_a_batch() -> None:
         x = (torch.randn(9, 1536, generator=gen) * torch.randn(9, 1536, generator=gen).exp()).to(torch.bfloat16)
         for rows in (2, 3, 9):
             assert torch.equal(linear(x[:1]), linear(x[:rows])[:1]), (seed, rows)
+
+
+@pytest.mark.skipif(not PACKS, reason="this CPU/PyTorch build has no oneDNN bf16 matmul")
+def test_one_row_gemv_is_pytorchs_own_kernel_and_leaves_onednn_on() -> None:
+    weight, b, gen = random_linear(640, 96, True, seed=5)
+    linear = EngineLinear(weight, b)
+    linear.enable_one_row_gemv()
+    assert torch.equal(linear.row_weight, weight)
+    x = torch.randn(3, 96, generator=gen).to(torch.bfloat16)
+    with torch.backends.mkldnn.flags(enabled=False):
+        native = F.linear(x[:1], weight, b)
+    assert torch.equal(linear(x[:1]), native)  # one row: PyTorch's GEMV, not oneDNN
+    assert torch.equal(linear(x), F.linear(x, weight, b))  # several rows: still oneDNN's packed kernel
+    assert torch.backends.mkldnn.enabled
+    with pytest.raises(RuntimeError):
+        one_row_gemv(x[:1], weight[:, :5], None)  # shapes that do not multiply
+    assert torch.backends.mkldnn.enabled  # restored on error too

@@ -312,6 +312,16 @@ def parity() -> dict[str, Any]:
                 "reference_text": "x < y || reference",
             },
         ],
+        "fast": {
+            "numerics": "fast",
+            "max_abs_logprob_diff": 0.157,
+            "top1_agreement": 0.986,
+            "num_decode_positions": 1014,
+            "exact_max_abs_logprob_diff": 0.205,
+            "exact_top1_agreement": 0.983,
+            "greedy_match_rate": 0.375,
+            "logprobs_close": True,
+        },
     }
 
 
@@ -442,12 +452,16 @@ def build_run(run: Path, stages: tuple[str, ...] = STAGES, *, with_gate: bool | 
                 "engine_fast_c1_tps": 45.2,
                 "engine_fast_c16_tps": 300.5,
                 "engine_fast_c64_tps": 455.0,
+                "engine_fast_noninvariant_c1_tps": 61.5,
+                "engine_fast_noninvariant_c16_tps": 350.0,
+                "engine_fast_noninvariant_c64_tps": 520.0,
                 "llama_cpp_c1_tps": 111.0,
                 "llama_cpp_model": "/cache/demo/downloads/SmolLM2-135M-Instruct.Q4_1.gguf",
                 "llama_cpp_skipped": None,
                 "fast_over_hf_c1": 45.2 / 13.5,
                 "fast_over_hf_c16": 300.5 / 44.0,
                 "fast_over_hf_c64": 455.0 / 61.0,
+                "fast_noninvariant_over_hf_c1": 61.5 / 13.5,
                 "fast_over_llama_cpp_c1": 45.2 / 111.0,
                 "prefix_tokens": 2000,
                 "prefix_ttft_cold_s": 2.04,

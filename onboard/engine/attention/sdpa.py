@@ -15,6 +15,18 @@ from onboard.engine.attention.metadata import AttentionMetadata
 from onboard.engine.kv_cache import KVCache
 
 
+def padded_context(cache: KVCache, meta: AttentionMetadata, name: str, layer: int) -> torch.Tensor:
+    """The decode rows' cached `name` rows, padded to the longest context: `[B, decode_len, *shape]`
+    (a view when a single sequence sits on consecutive blocks)."""
+    tables = meta.decode_block_tables
+    source = cache.blocks(name, layer)
+    shape = (tables.shape[0], -1, *source.shape[2:])
+    if meta.decode_block_range is not None:  # no copy
+        first, last = meta.decode_block_range
+        return source[first:last].view(shape)[:, : meta.decode_len]
+    return source.index_select(0, tables.view(-1)).view(shape)[:, : meta.decode_len]
+
+
 def padded_decode(
     q: torch.Tensor,
     layer: int,
@@ -28,23 +40,8 @@ def padded_decode(
     selected: list[torch.Tensor] | None,
     fold_heads: bool = False,
 ) -> torch.Tensor:
-    tables = meta.decode_block_tables
-    source = cache.blocks(keys, layer)
-    shape = (tables.shape[0], -1, *source.shape[2:])
-    if meta.decode_block_range is not None:  # no copy
-        first, last = meta.decode_block_range
-        k = source[first:last].view(shape)[:, : meta.decode_len]
-        v = None if values is None else cache.blocks(values, layer)[first:last].view(shape)[:, : meta.decode_len]
-    else:
-        flat = tables.view(-1)
-        k = source.index_select(0, flat).view(shape)[:, : meta.decode_len]
-        v = (
-            None
-            if values is None
-            else cache.blocks(values, layer).index_select(0, flat).view(shape)[:, : meta.decode_len]
-        )
-    if v is None:
-        v = k[..., :value_dim]
+    k = padded_context(cache, meta, keys, layer)
+    v = k[..., :value_dim] if values is None else padded_context(cache, meta, values, layer)
     mask = meta.decode_mask_for(window)
     if selected is not None:
         chosen = torch.zeros(len(selected), meta.decode_len, dtype=torch.bool, device=q.device)
