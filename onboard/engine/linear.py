@@ -90,10 +90,10 @@ class EngineLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_quant is not None:
             x = self.act_quant(x)
-        if self.row_weight is not None and x.dim() == 2 and x.shape[0] == 1:
-            return one_row_gemv(x, self.row_weight, self.bias)
         if self.packed is not None:
             if x.dim() == 2 and x.shape[0] == 1:
+                if self.row_weight is not None:
+                    return one_row_gemv(x, self.row_weight, self.bias)
                 # oneDNN runs a single row through another kernel than several rows, which sums in
                 # another order: padding to two rows keeps a request's tokens the same whatever else
                 # is batched with it (batch invariance; measured by `onboard smoke`).
