@@ -21,15 +21,19 @@ PROMPTS = [[1, 40, 41, 42, 43, 44, 2, 1, 45], [1, 50, 51, 52, 2, 1, 53], [1, 60,
 def _result(**llama_cpp) -> dict:
     """A full `run_bench` result, with made-up figures."""
     result = {"new_tokens": 64, "concurrency": [1, 16, 64], "prefix_tokens": 2000}
-    for n, (hf, exact, fast) in {1: (27.0, 40.0, 45.0), 16: (194.0, 280.0, 300.0), 64: (260.0, 400.0, 450.0)}.items():
+    figures = {1: (27.0, 40.0, 45.0, 55.0), 16: (194.0, 280.0, 300.0, 320.0), 64: (260.0, 400.0, 450.0, 470.0)}
+    for n, (hf, exact, fast, noninvariant) in figures.items():
         result |= {f"hf_c{n}_tps": hf, f"engine_exact_c{n}_tps": exact, f"engine_fast_c{n}_tps": fast}
+        result[f"engine_fast_noninvariant_c{n}_tps"] = noninvariant
         result[f"fast_over_hf_c{n}"] = fast / hf
+        result[f"fast_noninvariant_over_hf_c{n}"] = noninvariant / hf
     return result | {
         "prefix_ttft_cold_s": 2.0,
         "prefix_ttft_warm_s": 0.1,
         "memory_bandwidth_gbps": 41.0,
         "bandwidth_fraction_c1": 0.3,
         "bandwidth_fraction_c1_exact": 0.27,
+        "bandwidth_fraction_c1_noninvariant": 0.36,
         "weight_bytes_per_decode_step": 269_000_000,
         **llama_cpp,
     }
@@ -62,6 +66,8 @@ def test_table_shows_llama_cpp_and_the_ratio_to_it() -> None:
     )
     row = next(line for line in text.splitlines() if "mean of 4" in line)
     assert "111.0" in row and f"{45.0 / 111.0:.2f}×" in row and f"{45.0 / 27.0:.2f}×" in row
+    assert "55.0" in row and f"{55.0 / 27.0:.2f}×" in row  # the side without batch invariance
+    assert "fast not invariant 36.0 %" in text
     assert "llama.cpp: SmolLM2-135M-Instruct.Q4_1.gguf, one sequence at a time" in text
     assert "skipped" not in text
 
