@@ -2,11 +2,12 @@
 
 Each row's keys are gathered into one `[B, kvh, L, d]` batch padded to the step's longest context,
 a key mask hides the padding, and each KV head's query group runs as query rows of that head (as
-`fast.py` folds them).  One call instead of one per padded length (`fast.py`).  PyTorch's CPU
-flash-attention kernel sums a context shorter than its 512-key block in one block of the padded
-length, so a row's result depends on the longest context batched with it: this backend serves only
-with `EngineConfig.batch_invariant` False.  A lone row, sliding windows, DSA selections and keys
-that are also values (MLA) take the bucketed backend's paths.
+`fast.py` folds them).  One call instead of one per row: at 16 sequences the per-row calls took
+about a quarter of a decode step.  PyTorch's CPU flash-attention kernel sums a context shorter
+than its 512-key block in one block of the padded length, so a row's result depends on the
+longest context batched with it: this backend serves only with `EngineConfig.batch_invariant`
+False.  A lone row, sliding windows, DSA selections and keys that are also values (MLA) take the
+per-row backend's paths.
 """
 
 import torch.nn.functional as F

@@ -53,7 +53,7 @@ class AttentionMetadata:
     # Every decode sequence's context blocks, concatenated, and where each sequence's tokens start in them.
     decode_blocks: torch.Tensor | None = None
     decode_token_offsets: list[int] = field(default_factory=list)
-    _derived: dict = field(default_factory=dict)  # per-step masks and backend plans, built on first use
+    _window_masks: dict = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -126,12 +126,12 @@ class AttentionMetadata:
         if window is None or window >= self.decode_len:
             return self.decode_mask
         key = ("decode", window)
-        if key not in self._derived:
+        if key not in self._window_masks:
             device = self.decode_block_tables.device
             lens = torch.tensor(self.decode_context_lens, dtype=torch.long, device=device)[:, None]
             pos = torch.arange(self.decode_len, device=device)[None, :]
-            self._derived[key] = ((pos < lens) & (pos >= lens - window))[:, None, None, :]
-        return self._derived[key]
+            self._window_masks[key] = ((pos < lens) & (pos >= lens - window))[:, None, None, :]
+        return self._window_masks[key]
 
     def explicit_causal_mask(self, index: int) -> torch.Tensor:
         """Prefill sequence `index`'s causal mask, materialized even where `is_causal` would do
@@ -140,10 +140,10 @@ class AttentionMetadata:
         if seq.mask is not None:
             return seq.mask
         key = ("causal", index)
-        if key not in self._derived:
+        if key not in self._window_masks:
             ones = torch.ones(seq.query_len, seq.context_len, dtype=torch.bool, device=self.slot_mapping.device)
-            self._derived[key] = ones.tril()
-        return self._derived[key]
+            self._window_masks[key] = ones.tril()
+        return self._window_masks[key]
 
     def prefill_mask_for(self, index: int, window: int | None) -> torch.Tensor | None:
         """The mask of prefill sequence `index` with a sliding window (None: `is_causal` suffices)."""
@@ -151,9 +151,9 @@ class AttentionMetadata:
         if window is None or window >= seq.context_len:
             return seq.mask
         key = ("prefill", index, window)
-        if key not in self._derived:
+        if key not in self._window_masks:
             device = self.slot_mapping.device
             q_pos = torch.arange(seq.query_len, device=device)[:, None] + (seq.context_len - seq.query_len)
             k_pos = torch.arange(seq.context_len, device=device)[None, :]
-            self._derived[key] = (k_pos <= q_pos) & (k_pos > q_pos - window)
-        return self._derived[key]
+            self._window_masks[key] = (k_pos <= q_pos) & (k_pos > q_pos - window)
+        return self._window_masks[key]
