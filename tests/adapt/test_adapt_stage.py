@@ -10,10 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 import onboard.cli
 from onboard.engine.models import supported_architectures
+from onboard.models import inspect_checkpoint, load_model
 from onboard.workspace import MANIFEST
 
 PARITY_KEYS = {"max_abs_logit_diff", "mean_kld", "top1_agreement", "greedy_match_rate", "logprobs_close"}
@@ -184,3 +186,39 @@ def test_layerwise_refuses_a_quantized_artifact_before_touching_the_run(tiny_lla
     (line,) = error_lines(err)
     assert "plain checkpoints" in line
     assert not (tmp_path / "run").exists()
+
+
+@torch.inference_mode()
+def _decoded_from_scratch(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """transformers decoding `tokens` after `prompt` one at a time from an empty cache: `[n, V]`."""
+    ids = torch.tensor([prompt, prompt])
+    out = model(ids, attention_mask=torch.ones_like(ids), use_cache=True)
+    rows, mask = [out.logits[0, -1]], torch.ones_like(ids)
+    for token in tokens[:-1]:
+        mask = torch.cat([mask, mask[:, :1]], dim=1)
+        out = model(torch.tensor([[token], [token]]), attention_mask=mask, past_key_values=out.past_key_values)
+        rows.append(out.logits[0, -1])
+    return torch.stack(rows).float()
+
+
+def test_decode_agreement_continues_from_the_reference_cache_where_the_tokens_part(tiny_llama: Path) -> None:
+    """A continuation that parts from transformers' greedy one at token 5 is scored, past that
+    token, by transformers decoding it: the same log probabilities as decoding it from scratch."""
+    from types import SimpleNamespace
+
+    from onboard.adapt.stage import _decode_agreement, _reference_greedy
+
+    checkpoint = inspect_checkpoint(tiny_llama)
+    model = load_model(checkpoint, torch.float32)
+    prompt = list(range(3, 20))
+    reference = _reference_greedy(model, prompt, eos_ids=set(), pad_id=0)
+    tokens = reference.tokens[:12]
+    tokens[5] = (tokens[5] + 1) % model.config.vocab_size
+    logprobs = _decoded_from_scratch(model, prompt, tokens).log_softmax(-1)
+    picked = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
+    completion = SimpleNamespace(token_ids=tokens, logprobs=[{"logprob": float(lp)} for lp in picked])
+    result = _decode_agreement(model, reference, completion)
+    assert result["positions"] == 12
+    assert result["max_abs_logprob_diff"] < 1e-5
+    assert result["top1_agree"] == int((logprobs.argmax(-1) == torch.tensor(tokens)).sum())
+    assert result["top1_agree"] < 12  # token 5 is not transformers' choice
