@@ -37,15 +37,15 @@ def onednn_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return mkldnn._reorder_linear_weight(weight.contiguous(), 1)
 
 
-def one_row_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear` of one bf16 row through PyTorch's own GEMV rather than oneDNN.
+def pytorch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` of bf16 rows through PyTorch's own kernels rather than oneDNN.
 
     With oneDNN switched off, PyTorch runs a single bf16 row through its reduced-precision GEMV
     fast path (fp32 dot products over the plain weight), which streams the weights at about 28 GB/s
     on 2 AVX512-BF16 cores where oneDNN's kernels reach about 17 (a SmolLM2-135M decode step's
-    121 GEMVs: 9.5 ms against 15).  Its sums run in another order than the several-row kernel's,
-    so it serves only where batch invariance is not asked for.  PyTorch has no public switch for
-    one call; the flag is restored even on error."""
+    121 GEMVs: 9.5 ms against 15); several rows run the same dot product each, so a row's result
+    does not depend on how many are multiplied (measured bitwise up to 64 rows), but the time grows
+    with the rows.  PyTorch has no public switch for one call; the flag is restored even on error."""
     enabled = torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(False)
     try:
@@ -59,8 +59,8 @@ class EngineLinear(torch.nn.Module):
     format's activation fake-quantization (None for weight-only and unquantized layers).
 
     On CPU in bf16 the weight is held only in oneDNN's pre-reordered layout (`onednn_packed_weight`);
-    `weight` then reorders it back to a plain tensor on each access.  `enable_one_row_gemv` adds a
-    plain copy for single rows (`one_row_gemv`), at the cost of holding the weight twice."""
+    `weight` then reorders it back to a plain tensor on each access.  `use_fast_kernels` picks fast
+    numerics' kernels."""
 
     def __init__(
         self,
@@ -77,10 +77,14 @@ class EngineLinear(torch.nn.Module):
         self.act_quant = act_quant
         self.fmt = fmt  # "bf16" | "nvfp4" | "nvfp4a16" | "fp8" ...
         self.row_weight: torch.Tensor | None = None
+        self.pytorch_kernels = False
 
-    def enable_one_row_gemv(self) -> None:
-        if self.packed is not None and self.row_weight is None:
+    def use_fast_kernels(self, batch_invariant: bool) -> None:
+        if self.packed is not None and not batch_invariant and self.row_weight is None:
             self.row_weight = self.packed.to_dense().contiguous()
+        # A weight too small for packing: `F.linear` picks oneDNN or PyTorch's kernel by the
+        # product's size (`_ONEDNN_MIN_SIZE`), so a row would round by how many share the call.
+        self.pytorch_kernels = self.packed is None and self.plain.dtype == torch.bfloat16
 
     @property
     def weight(self) -> torch.Tensor:
@@ -93,17 +97,21 @@ class EngineLinear(torch.nn.Module):
         if self.packed is not None:
             if x.dim() == 2 and x.shape[0] == 1:
                 if self.row_weight is not None:
-                    return one_row_gemv(x, self.row_weight, self.bias)
+                    return pytorch_linear(x, self.row_weight, self.bias)
                 # oneDNN runs a single row through another kernel than several rows, which sums in
                 # another order: padding to two rows keeps a request's tokens the same whatever else
                 # is batched with it (batch invariance; measured by `onboard smoke`).
                 return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), self.packed, self.bias, "none", [], "")[:1]
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.pytorch_kernels:
+            return pytorch_linear(x, self.plain, self.bias)
         return F.linear(x, self.plain, self.bias)
 
 
-def enable_one_row_gemv(model: torch.nn.Module) -> None:
-    """Single rows through `one_row_gemv` in every oneDNN-packed linear of `model`."""
+def use_fast_kernels(model: torch.nn.Module, batch_invariant: bool) -> None:
+    """Fast numerics' linears in `model`: bf16 weights too small to pack through PyTorch's own
+    kernel at every row count (batch invariant), and, without batch invariance, single rows of
+    the packed ones through its one-row GEMV (`pytorch_linear`), holding those weights twice."""
     for module in model.modules():
         if isinstance(module, EngineLinear):
-            module.enable_one_row_gemv()
+            module.use_fast_kernels(batch_invariant)

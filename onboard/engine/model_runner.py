@@ -11,7 +11,7 @@ from onboard.engine.batch import ForwardBatch
 from onboard.engine.config import EngineConfig
 from onboard.engine.context import StepContext
 from onboard.engine.kv_cache import KVCache
-from onboard.engine.linear import enable_one_row_gemv
+from onboard.engine.linear import use_fast_kernels
 from onboard.engine.models import model_class
 from onboard.engine.scheduler import ScheduledSeq
 from onboard.engine.weights import CheckpointWeights
@@ -45,8 +45,8 @@ class ModelRunner:
         self.hf_config = AutoConfig.from_pretrained(path)
         weights = CheckpointWeights(Path(path), dtype=dtype, device=self.device)
         self.model = model_class(self.hf_config)(self.hf_config, weights)
-        if not config.batch_invariant:
-            enable_one_row_gemv(self.model)
+        if config.numerics == "fast":
+            use_fast_kernels(self.model, config.batch_invariant)
         self.backend = attention_backend(self.device, config.attention_backend, config.numerics, config.batch_invariant)
         self.kv_layout = self.model.kv_layout
         self.cache = KVCache(self.kv_layout, config.num_blocks, config.block_size, self.device)

@@ -102,9 +102,7 @@ def test_fast_agrees_with_exact_up_to_near_ties_alone_and_batched(
     assert torch.equal(fast.score(work[2]), exact.score(work[2]))
 
 
-# Not DeepSeek-V3 yet: in bf16 one of these six prompts changes a token batched (a decode step's
-# hidden state already differs before its attention), in fast numerics only.
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3_moe"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3_moe", *(f"tiny_{arch}" for arch in tiny_models.MLA_ARCHS)])
 def test_fast_numerics_is_batch_invariant(arch: str, request) -> None:
     """bf16, where a changed summation order shows: a request's tokens alone equal its tokens
     batched with longer and shorter ones, and among sampled requests."""

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from onboard.engine.linear import EngineLinear, one_row_gemv, onednn_packed_weight
+from onboard.engine.linear import EngineLinear, onednn_packed_weight, pytorch_linear
 
 PACKS = onednn_packed_weight(torch.zeros(64, 128, dtype=torch.bfloat16)) is not None
 
@@ -59,10 +59,10 @@ def test_a_row_gives_the_same_result_alone_and_in_a_batch() -> None:
 
 
 @pytest.mark.skipif(not PACKS, reason="this CPU/PyTorch build has no oneDNN bf16 matmul")
-def test_one_row_gemv_is_pytorchs_own_kernel_and_leaves_onednn_on() -> None:
+def test_the_one_row_gemv_is_pytorchs_own_kernel_and_leaves_onednn_on() -> None:
     weight, b, gen = random_linear(640, 96, True, seed=5)
     linear = EngineLinear(weight, b)
-    linear.enable_one_row_gemv()
+    linear.use_fast_kernels(batch_invariant=False)
     assert torch.equal(linear.row_weight, weight)
     x = torch.randn(3, 96, generator=gen).to(torch.bfloat16)
     with torch.backends.mkldnn.flags(enabled=False):
@@ -71,5 +71,27 @@ def test_one_row_gemv_is_pytorchs_own_kernel_and_leaves_onednn_on() -> None:
     assert torch.equal(linear(x), F.linear(x, weight, b))  # several rows: still oneDNN's packed kernel
     assert torch.backends.mkldnn.enabled
     with pytest.raises(RuntimeError):
-        one_row_gemv(x[:1], weight[:, :5], None)  # shapes that do not multiply
+        pytorch_linear(x[:1], weight[:, :5], None)  # shapes that do not multiply
     assert torch.backends.mkldnn.enabled  # restored on error too
+
+
+def test_fast_kernels_keep_a_small_weights_rows_independent_of_the_batch() -> None:
+    """A weight too small to pack (48 x 64): `F.linear` hands one row to PyTorch's kernel and two to
+    oneDNN, which round a few rows in a thousand differently (a tiny DeepSeek-V3's kv_a_proj
+    changed a greedy token that way); fast numerics' kernel gives a row the same bits alone and
+    among others."""
+    gen = torch.Generator().manual_seed(7)
+    weight = (torch.randn(48, 64, generator=gen) * 0.2).to(torch.bfloat16)
+    x = torch.randn(2048, 64, generator=gen).to(torch.bfloat16)
+    linear = EngineLinear(weight)
+    assert linear.packed is None
+
+    def changed_rows() -> int:
+        alone = torch.cat([linear(x[i : i + 1]) for i in range(0, len(x), 2)])
+        paired = torch.cat([linear(x[i : i + 2])[:1] for i in range(0, len(x), 2)])
+        return int((alone != paired).any(dim=1).sum())
+
+    assert changed_rows() > 0  # what the fast kernel fixes
+    linear.use_fast_kernels(batch_invariant=True)
+    assert changed_rows() == 0
+    assert linear.row_weight is None  # the one-row GEMV copy is for packed weights only
