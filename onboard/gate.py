@@ -62,6 +62,8 @@ CHECKS = (
     Check("entropy_ratio", "smoke", "min_entropy_ratio", operator.ge, itemgetter("entropy_ratio")),
     Check("garbage_excess", "smoke", "max_garbage_excess", operator.le, _excess("garbage_rate")),
     Check("batch_invariant", "smoke", "require_batch_invariance", _required, itemgetter("batch_invariant")),
+    # The numerics that serve, against the same reference: every divergence a near-tie.
+    Check("fast_parity", "adapt", "require_fast_parity", _required, lambda m: m["fast"]["logprobs_close"]),
 )
 
 

@@ -137,6 +137,9 @@ class Gate(_Strict):
     max_parity_logit_diff: float = Field(0.5, ge=0)
     min_parity_top1_agreement: float = Field(0.99, ge=0, le=1)
     require_batch_invariance: bool = True
+    # adapt's fast numerics (what serve runs): its greedy continuations part from transformers'
+    # only at near-ties (parity.json `fast.logprobs_close`).
+    require_fast_parity: bool = True
 
 
 class Recipe(_Strict):

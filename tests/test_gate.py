@@ -35,7 +35,12 @@ STAGE_FILES = {
 PASSING: dict[str, dict[str, Any]] = {
     "eval": {"mean_kld": 0.05, "top1_agreement": 0.93, "num_tokens": 4096, "p99_kld": 0.4},
     "speculator": {"acceptance_length": 2.5, "num_draft_tokens": 3},
-    "adapt": {"max_abs_logit_diff": 0.01, "top1_agreement": 0.998, "num_positions": 512},
+    "adapt": {
+        "max_abs_logit_diff": 0.01,
+        "top1_agreement": 0.998,
+        "num_positions": 512,
+        "fast": {"logprobs_close": True, "top1_agreement": 0.97},
+    },
     "smoke": {
         "loop_rate": 0.3,
         "reference_loop_rate": 0.28,
@@ -66,17 +71,28 @@ SPEC: dict[str, tuple[str, str, str, str]] = {
     "entropy_ratio": ("smoke", "entropy_ratio", "min_entropy_ratio", "min"),
     "garbage_excess": ("smoke", "garbage_rate", "max_garbage_excess", "max"),
     "batch_invariant": ("smoke", "batch_invariant", "require_batch_invariance", "bool"),
+    "fast_parity": ("adapt", "fast.logprobs_close", "require_fast_parity", "bool"),
 }
 EXCESS = {"loop_rate_excess", "run_on_excess", "near_duplicate_excess", "garbage_excess"}
 NUMERIC = [name for name, spec in SPEC.items() if spec[3] != "bool"]
 CHECK_NAMES = [check.name for check in CHECKS]
 
 
+def _holder(metrics: dict[str, dict[str, Any]], stage: str, key: str) -> tuple[dict[str, Any], str]:
+    """The dict holding a (dotted: `fast.logprobs_close`) metric key of `stage`, and its last part."""
+    *path, last = key.split(".")
+    holder = metrics[stage]
+    for part in path:
+        holder = holder[part]
+    return holder, last
+
+
 def _expected_value(name: str, metrics: dict[str, dict[str, Any]]) -> Any:
     stage, key, _, _ = SPEC[name]
     if name in EXCESS:
         return pytest.approx(metrics[stage][key] - metrics[stage][f"reference_{key}"])
-    return metrics[stage][key]
+    holder, last = _holder(metrics, stage, key)
+    return holder[last]
 
 
 def _set_value(metrics: dict[str, dict[str, Any]], name: str, value: Any, reference: float = 0.0) -> None:
@@ -86,7 +102,8 @@ def _set_value(metrics: dict[str, dict[str, Any]], name: str, value: Any, refere
         metrics[stage][f"reference_{key}"] = reference
         metrics[stage][key] = reference + value
     else:
-        metrics[stage][key] = value
+        holder, last = _holder(metrics, stage, key)
+        holder[last] = value
 
 
 def make_run(
@@ -181,9 +198,10 @@ def test_each_check_reads_its_own_threshold(tmp_path):
         max_parity_logit_diff=0.39,
         min_parity_top1_agreement=0.991,
         require_batch_invariance=True,
+        require_fast_parity=True,
     )
     values = distinct.model_dump()
-    assert len({v for v in values.values() if not isinstance(v, bool)}) == len(values) - 1
+    assert len({v for v in values.values() if not isinstance(v, bool)}) == len(values) - 2
     result = evaluate_gate(make_run(tmp_path / "run"), distinct)
     for check in result["checks"]:
         assert check["threshold"] == values[SPEC[check["name"]][2]], check["name"]
@@ -259,6 +277,23 @@ def test_batch_invariant_run_passes_whether_or_not_required(tmp_path):
     run = make_run(tmp_path / "run")
     for required in (True, False):
         assert evaluate_gate(run, Gate(require_batch_invariance=required))["passed"] is True
+
+
+@pytest.mark.parametrize(("required", "passes"), [(True, False), (False, True)])
+def test_fast_parity_reads_the_fast_block_and_is_required_by_default(tmp_path, required, passes):
+    metrics = passing_metrics()
+    metrics["adapt"]["fast"]["logprobs_close"] = False  # exact's own parity still passes
+    result = evaluate_gate(make_run(tmp_path / "run", metrics, gate=Gate(require_fast_parity=required)))
+    assert result["passed"] is passes
+    assert failed_names(result) == (set() if passes else {"fast_parity"})
+    assert Gate().require_fast_parity is True
+
+
+def test_a_parity_file_without_the_fast_block_is_named(tmp_path):
+    metrics = passing_metrics()
+    del metrics["adapt"]["fast"]  # written before fast numerics existed
+    with pytest.raises(OnboardError, match=r"parity\.json has no 'fast', which check fast_parity needs"):
+        evaluate_gate(make_run(tmp_path / "run", metrics))
 
 
 def _assert_missing(result: dict[str, Any], stage: str) -> None:
