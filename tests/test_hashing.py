@@ -66,3 +66,14 @@ def test_large_files_are_sampled_at_both_ends(tmp_path: Path, monkeypatch: pytes
 
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert fingerprint_path(path) != first
+
+
+def test_code_version_starts_with_the_released_version() -> None:
+    import tomllib
+
+    from onboard.hashing import code_version
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    version, _, source_hash = code_version().partition("+")
+    assert version == pyproject["project"]["version"]
+    assert len(source_hash) == 12
