@@ -82,9 +82,10 @@ class EngineLinear(torch.nn.Module):
     def use_fast_kernels(self, batch_invariant: bool) -> None:
         if self.packed is not None and not batch_invariant and self.row_weight is None:
             self.row_weight = self.packed.to_dense().contiguous()
-        # A weight too small for packing: `F.linear` picks oneDNN or PyTorch's kernel by the
+        # A CPU weight too small for packing: `F.linear` picks oneDNN or PyTorch's kernel by the
         # product's size (`_ONEDNN_MIN_SIZE`), so a row would round by how many share the call.
-        self.pytorch_kernels = self.packed is None and self.plain.dtype == torch.bfloat16
+        plain = self.plain
+        self.pytorch_kernels = plain is not None and plain.device.type == "cpu" and plain.dtype == torch.bfloat16
 
     @property
     def weight(self) -> torch.Tensor:
