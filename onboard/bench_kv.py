@@ -150,10 +150,13 @@ def parse_positive_ints(option: str, text: str) -> list[int]:
     return sorted(set(values))
 
 
+BENCH_NUMERICS = (*NUMERICS, "absorbed")  # absorbed: fast numerics with MLA's weight-absorbed decode
+
+
 def parse_numerics(text: str) -> list[str]:
     chosen = [part.strip() for part in text.split(",") if part.strip()]
-    if not chosen or any(n not in NUMERICS for n in chosen):
-        raise OnboardError(f"--numerics {text!r}: give {' and/or '.join(NUMERICS)}, comma-separated")
+    if not chosen or any(n not in BENCH_NUMERICS for n in chosen):
+        raise OnboardError(f"--numerics {text!r}: give {', '.join(BENCH_NUMERICS)}, comma-separated")
     return list(dict.fromkeys(chosen))
 
 

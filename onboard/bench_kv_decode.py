@@ -4,7 +4,7 @@ A small random deepseek_v32 model (`BENCH_MODEL`) runs in the engine's `ModelRun
 prefilled at length: each sequence gets L tokens' worth of paged blocks, every cached tensor is
 filled with noise of the per-column mean and spread a short real prefill writes, and decode steps
 run at context L.  The same model with its indexers detached is dense MLA.  The indexer's `select`
-and the attention (the backend's `decode` in fast numerics, the expanded decode in exact numerics)
+and the attention (the backend's `decode` in the absorbed form, the expanded decode otherwise)
 are timed by wrapping them, which also counts the keys each decode row attends.  All variants run
 interleaved within each repetition, so the machine's drift hits them alike.
 """
@@ -87,18 +87,22 @@ def instrument(runner, probe: Probe) -> None:
 
 
 class Switch:
-    """Turns the model's DSA on and off (dense MLA: no indexer, no shared selection) and sets the numerics."""
+    """Turns the model's DSA on and off (dense MLA: no indexer, no shared selection) and sets the
+    numerics: `exact`, `fast` (as served: in bf16 the expanded decode) or `absorbed` (fast
+    numerics with the weight-absorbed decode, what keeping the expanded form costs)."""
 
     def __init__(self, runner):
         self.runner = runner
         attns = [layer.self_attn for layer in runner.model.layers]
-        self.saved = [(attn, attn.indexer, attn.shares_selection) for attn in attns]
+        self.saved = [(attn, attn.indexer, attn.shares_selection, attn.absorb) for attn in attns]
 
     def set(self, variant: str, numerics: str) -> None:
-        self.runner.config = dataclasses.replace(self.runner.config, numerics=numerics)
-        for attn, indexer, shares in self.saved:
+        engine_numerics = "exact" if numerics == "exact" else "fast"
+        self.runner.config = dataclasses.replace(self.runner.config, numerics=engine_numerics)
+        for attn, indexer, shares, absorb in self.saved:
             attn.indexer = indexer if variant == "dsa" else None
             attn.shares_selection = shares if variant == "dsa" else False
+            attn.set_absorbed(absorb or numerics == "absorbed")
 
 
 def build_model(directory: Path, index_topk: int, seed: int = 0) -> Path:

@@ -150,7 +150,9 @@ def bench_kv(
         str, typer.Option(help="decode contexts in tokens, comma-separated")
     ] = "1024,2048,4096,8192,16384",
     batches: Annotated[str, typer.Option(help="decode batch sizes, comma-separated")] = "1,4",
-    numerics: Annotated[str, typer.Option(help="fast (weight-absorbed MLA decode) and/or exact")] = "fast,exact",
+    numerics: Annotated[
+        str, typer.Option(help="fast (as served), absorbed (fast with the weight-absorbed MLA decode), exact")
+    ] = "fast,absorbed,exact",
     repeats: Annotated[int, typer.Option(min=1, help="timed steps per point (the median is reported)")] = 7,
     index_topk: Annotated[int, typer.Option(min=1, help="the bench model's DSA top-k")] = 2048,
     out: Annotated[Path | None, typer.Option(help="also write the figures to this JSON file")] = None,

@@ -40,6 +40,14 @@ class Check:
     threshold_key: str
     compare: Callable[[Any, Any], bool]
     value: Callable[[dict], Any]
+    # adapt's parity rules the check belongs to (parity.json `rule`); empty: every run
+    rules: tuple[str, ...] = ()
+
+
+# adapt's rule for artifacts without 4-bit activations (bf16, FP8, weight-only) and for parity.json
+# files older than the `rule` key; artifacts with 4-bit activations get the layerwise-distribution rule.
+TOKEN_RULES = ("bitwise", "near_tie")
+DISTRIBUTION_RULES = ("layerwise_distribution",)
 
 
 def _excess(key: str) -> Callable[[dict], float]:
@@ -50,12 +58,37 @@ def _required(value: bool, required: bool) -> bool:
     return value or not required
 
 
+def _worst(key: str) -> Callable[[dict], float]:
+    """The larger of exact's and fast's value of a distribution-rule statistic; a NaN on either
+    side is the value (`max` would drop one in second place)."""
+
+    def worst(m: dict) -> float:
+        values = (m["distribution"][key], m["fast"]["distribution"][key])
+        return next((v for v in values if isinstance(v, float) and math.isnan(v)), max(values))
+
+    return worst
+
+
 CHECKS = (
     Check("mean_kld", "eval", "max_mean_kld", operator.le, itemgetter("mean_kld")),
     Check("top1_agreement", "eval", "min_top1_agreement", operator.ge, itemgetter("top1_agreement")),
     Check("acceptance_length", "speculator", "min_acceptance_length", operator.ge, itemgetter("acceptance_length")),
-    Check("parity_logit_diff", "adapt", "max_parity_logit_diff", operator.le, itemgetter("max_abs_logit_diff")),
-    Check("parity_top1_agreement", "adapt", "min_parity_top1_agreement", operator.ge, itemgetter("top1_agreement")),
+    Check(
+        "parity_logit_diff",
+        "adapt",
+        "max_parity_logit_diff",
+        operator.le,
+        itemgetter("max_abs_logit_diff"),
+        TOKEN_RULES,
+    ),
+    Check(
+        "parity_top1_agreement",
+        "adapt",
+        "min_parity_top1_agreement",
+        operator.ge,
+        itemgetter("top1_agreement"),
+        TOKEN_RULES,
+    ),
     Check("loop_rate_excess", "smoke", "max_loop_rate_excess", operator.le, _excess("loop_rate")),
     Check("run_on_excess", "smoke", "max_run_on_excess", operator.le, _excess("run_on_rate")),
     Check("near_duplicate_excess", "smoke", "max_near_duplicate_excess", operator.le, _excess("near_duplicate_rate")),
@@ -63,7 +96,29 @@ CHECKS = (
     Check("garbage_excess", "smoke", "max_garbage_excess", operator.le, _excess("garbage_rate")),
     Check("batch_invariant", "smoke", "require_batch_invariance", _required, itemgetter("batch_invariant")),
     # The numerics that serve, against the same reference: every divergence a near-tie.
-    Check("fast_parity", "adapt", "require_fast_parity", _required, lambda m: m["fast"]["logprobs_close"]),
+    Check("fast_parity", "adapt", "require_fast_parity", _required, lambda m: m["fast"]["logprobs_close"], TOKEN_RULES),
+    # 4-bit activations: both numerics' distributions against transformers' and the source's, and
+    # every layer and linear against its floor (adapt/distribution.py, adapt/layerwise.py).
+    Check("parity_kl_ratio", "adapt", "max_parity_kl_ratio", operator.le, _worst("kl_ratio"), DISTRIBUTION_RULES),
+    Check(
+        "parity_damage_diff", "adapt", "max_parity_damage_diff", operator.le, _worst("damage_diff"), DISTRIBUTION_RULES
+    ),
+    Check(
+        "parity_layer_ratio",
+        "adapt",
+        "max_parity_layer_ratio",
+        operator.le,
+        lambda m: m["layerwise"]["max_floor_ratio"],
+        DISTRIBUTION_RULES,
+    ),
+    Check(
+        "parity_linear_ratio",
+        "adapt",
+        "max_parity_linear_ratio",
+        operator.le,
+        lambda m: m["layerwise"]["max_linear_ratio"],
+        DISTRIBUTION_RULES,
+    ),
 )
 
 
@@ -131,8 +186,11 @@ def evaluate_gate(run_dir: Path, gate: Gate | None = None) -> dict[str, Any]:
             raise OnboardError(f"{run_dir / 'manifest.json'}: the recorded gate is invalid: {describe(err)}") from err
     results = _stage_results(run_dir)
     thresholds = gate.model_dump()
+    rule = parity_rule(results["adapt"], run_dir)
     checks = []
     for check in CHECKS:
+        if check.rules and rule not in check.rules:
+            continue
         threshold = thresholds[check.threshold_key]
         metrics = results[check.stage]
         value = _value(check, metrics, run_dir / _STAGE_FILES[check.stage]) if metrics is not None else None
@@ -145,8 +203,17 @@ def evaluate_gate(run_dir: Path, gate: Gate | None = None) -> dict[str, Any]:
         "passed": not missing and all(c["passed"] for c in checks),
         "complete": not missing,
         "missing": missing,
+        "parity_rule": rule,
         "checks": checks,
     }
+
+
+def parity_rule(parity: dict | None, run_dir: Path) -> str:
+    """The rule adapt judged by (`near_tie` when adapt has not run or predates the key)."""
+    rule = "near_tie" if parity is None else parity.get("rule", "near_tie")
+    if rule not in TOKEN_RULES + DISTRIBUTION_RULES:
+        raise OnboardError(f"{run_dir / _STAGE_FILES['adapt']}: unknown parity rule {rule!r}")
+    return rule
 
 
 def exit_code(result: dict[str, Any]) -> int:

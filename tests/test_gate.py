@@ -5,6 +5,10 @@ Each run directory is what the stages would leave behind: `manifest.json` with t
 comfortably inside the default `Gate()`; the tests push one value at a time past (or onto) its
 threshold, drop or fail a stage, tighten the recorded recipe, and finally run the real CLI in a
 few subprocesses for its exit codes (0 pass, 1 fail, 2 incomplete or bad input).
+
+adapt's parity.json names the rule it judged by (`rule`): `bitwise` and `near_tie` runs are gated on
+the token checks, `layerwise_distribution` runs (4-bit activations) on the distribution and layerwise
+checks instead; `PASSING_W4A4` is such a run, whose token figures would fail the token checks.
 """
 
 import copy
@@ -36,6 +40,7 @@ PASSING: dict[str, dict[str, Any]] = {
     "eval": {"mean_kld": 0.05, "top1_agreement": 0.93, "num_tokens": 4096, "p99_kld": 0.4},
     "speculator": {"acceptance_length": 2.5, "num_draft_tokens": 3},
     "adapt": {
+        "rule": "near_tie",
         "max_abs_logit_diff": 0.01,
         "top1_agreement": 0.998,
         "num_positions": 512,
@@ -56,9 +61,85 @@ PASSING: dict[str, dict[str, Any]] = {
     },
 }
 
+
+def _layer(index: int, floor_ratio: float, linear_ratio: float, worst_linear: str) -> dict[str, Any]:
+    return {
+        "layer": f"model.layers.{index}",
+        "max_abs_diff": 0.0625,
+        "relative_diff": 0.004,
+        "error_rms": 0.002 * floor_ratio,
+        "floor_rms": 0.002,
+        "floor_ratio": floor_ratio,
+        "passed": True,
+        "linear_ratio": linear_ratio,
+        "worst_linear": f"model.layers.{index}.{worst_linear}",
+    }
+
+
+# An NVFP4 W4A4 run comfortably inside the default Gate(). Its token figures would fail the token
+# checks (a W4A4 run is not judged by them). Fast numerics have the worse KL ratio and exact the worse
+# damage difference, so a worst-of check reading only one side shows up as a wrong value; the
+# layerwise block's recorded allowances (`max_layer_ratio`, `max_linear_ratio_allowed`) differ from
+# the measured maxima, so a check reading the allowance does too.
+PASSING_W4A4: dict[str, dict[str, Any]] = {
+    **PASSING,
+    "adapt": {
+        "rule": "layerwise_distribution",
+        "max_abs_logit_diff": 2.4,
+        "top1_agreement": 0.91,
+        "greedy_match_rate": 0.25,
+        "logprobs_close": False,
+        "num_positions": 512,
+        "distribution": {
+            "kl_transformers_engine": 1e-4,
+            "kl_source_transformers": 0.05,
+            "kl_source_engine": 0.05105,
+            "kl_ratio": 0.002,
+            "damage_diff": 0.021,
+            "damage_diff_se": 0.011,
+            "num_positions": 512,
+        },
+        "fast": {
+            "logprobs_close": False,
+            "top1_agreement": 0.9,
+            "distribution": {
+                "kl_transformers_engine": 0.015,
+                "kl_source_transformers": 0.05,
+                "kl_source_engine": 0.0504,
+                "kl_ratio": 0.3,
+                "damage_diff": 0.008,
+                "damage_diff_se": 0.012,
+                "num_positions": 512,
+            },
+        },
+        "layerwise": {
+            "num_tokens": 512,
+            "max_layer_ratio": 4.0,
+            "layers": [_layer(0, 1.1, 0.003, "self_attn.o_proj"), _layer(1, 1.6, 0.41, "mlp.down_proj")],
+            "head": {
+                "layer": "head",
+                "max_abs_diff": 0.125,
+                "relative_diff": 0.006,
+                "error_rms": 0.01,
+                "floor_rms": 0.012,
+                "floor_ratio": 0.83,
+                "passed": True,
+            },
+            "max_abs_diff": 0.125,
+            "max_floor_ratio": 1.6,
+            "max_linear_ratio": 0.41,
+            "max_linear_ratio_allowed": 2.0,
+            "passed": True,
+            "first_failing_layer": None,
+            "first_failing_module": None,
+        },
+    },
+}
+
 # What each check is written to read: (stage, metric key, threshold key, direction). Spelled out
 # here rather than taken from CHECKS, so a check wired to the wrong file, key or threshold fails.
-# "excess" checks read `key - reference_key`; "max" passes at value <= threshold, "min" at >=.
+# "excess" checks read `key - reference_key`, "worst" checks `max(key, fast.key)` (exact's and fast
+# numerics' value); "max" passes at value <= threshold, "min" at >=.
 SPEC: dict[str, tuple[str, str, str, str]] = {
     "mean_kld": ("eval", "mean_kld", "max_mean_kld", "max"),
     "top1_agreement": ("eval", "top1_agreement", "min_top1_agreement", "min"),
@@ -72,10 +153,31 @@ SPEC: dict[str, tuple[str, str, str, str]] = {
     "garbage_excess": ("smoke", "garbage_rate", "max_garbage_excess", "max"),
     "batch_invariant": ("smoke", "batch_invariant", "require_batch_invariance", "bool"),
     "fast_parity": ("adapt", "fast.logprobs_close", "require_fast_parity", "bool"),
+    "parity_kl_ratio": ("adapt", "distribution.kl_ratio", "max_parity_kl_ratio", "max"),
+    "parity_damage_diff": ("adapt", "distribution.damage_diff", "max_parity_damage_diff", "max"),
+    "parity_layer_ratio": ("adapt", "layerwise.max_floor_ratio", "max_parity_layer_ratio", "max"),
+    "parity_linear_ratio": ("adapt", "layerwise.max_linear_ratio", "max_parity_linear_ratio", "max"),
 }
 EXCESS = {"loop_rate_excess", "run_on_excess", "near_duplicate_excess", "garbage_excess"}
+WORST = {"parity_kl_ratio", "parity_damage_diff"}
 NUMERIC = [name for name, spec in SPEC.items() if spec[3] != "bool"]
 CHECK_NAMES = [check.name for check in CHECKS]
+
+# Which parity rules gate on which adapt checks; every other check applies to every run.
+RULES = ("bitwise", "near_tie", "layerwise_distribution")
+TOKEN_CHECKS = ("parity_logit_diff", "parity_top1_agreement", "fast_parity")
+DISTRIBUTION_CHECKS = ("parity_kl_ratio", "parity_damage_diff", "parity_layer_ratio", "parity_linear_ratio")
+
+
+def rule_checks(rule: str) -> list[str]:
+    """The checks a run judged by `rule` lists, in CHECKS order."""
+    left_out = TOKEN_CHECKS if rule == "layerwise_distribution" else DISTRIBUTION_CHECKS
+    return [name for name in SPEC if name not in left_out]
+
+
+def rule_of(name: str) -> str:
+    """A rule whose runs have check `name` (the token rule for checks every run has)."""
+    return "layerwise_distribution" if name in DISTRIBUTION_CHECKS else "near_tie"
 
 
 def _holder(metrics: dict[str, dict[str, Any]], stage: str, key: str) -> tuple[dict[str, Any], str]:
@@ -87,17 +189,26 @@ def _holder(metrics: dict[str, dict[str, Any]], stage: str, key: str) -> tuple[d
     return holder, last
 
 
-def _expected_value(name: str, metrics: dict[str, dict[str, Any]]) -> Any:
-    stage, key, _, _ = SPEC[name]
-    if name in EXCESS:
-        return pytest.approx(metrics[stage][key] - metrics[stage][f"reference_{key}"])
+def _lookup(metrics: dict[str, dict[str, Any]], stage: str, key: str) -> Any:
     holder, last = _holder(metrics, stage, key)
     return holder[last]
 
 
-def _set_value(metrics: dict[str, dict[str, Any]], name: str, value: Any, reference: float = 0.0) -> None:
-    """Make check `name` see `value` (an excess check: `reference + value` over `reference`)."""
+def _expected_value(name: str, metrics: dict[str, dict[str, Any]]) -> Any:
     stage, key, _, _ = SPEC[name]
+    if name in EXCESS:
+        return pytest.approx(metrics[stage][key] - metrics[stage][f"reference_{key}"])
+    if name in WORST:
+        return max(_lookup(metrics, stage, key), _lookup(metrics, stage, f"fast.{key}"))
+    return _lookup(metrics, stage, key)
+
+
+def _set_value(metrics: dict[str, dict[str, Any]], name: str, value: Any, reference: float = 0.0) -> None:
+    """Make check `name` see `value` (an excess check: `reference + value` over `reference`; a worst
+    check: exact's value, fast's staying below it)."""
+    stage, key, _, _ = SPEC[name]
+    if name in WORST:
+        assert _lookup(metrics, stage, f"fast.{key}") <= value
     if name in EXCESS:
         metrics[stage][f"reference_{key}"] = reference
         metrics[stage][key] = reference + value
@@ -136,8 +247,11 @@ def make_run(
     return root
 
 
-def passing_metrics() -> dict[str, dict[str, Any]]:
-    return copy.deepcopy(PASSING)
+def passing_metrics(rule: str = "near_tie") -> dict[str, dict[str, Any]]:
+    """PASSING (PASSING_W4A4 for the layerwise-distribution rule) with adapt's `rule` set."""
+    metrics = copy.deepcopy(PASSING_W4A4 if rule == "layerwise_distribution" else PASSING)
+    metrics["adapt"]["rule"] = rule
+    return metrics
 
 
 def failing_value(name: str, threshold: Any) -> Any:
@@ -162,25 +276,37 @@ def test_spec_covers_every_check():
     assert [check.name for check in CHECKS] == list(SPEC)
     assert {check.name: check.stage for check in CHECKS} == {name: spec[0] for name, spec in SPEC.items()}
     assert set(Gate.model_fields) == {spec[2] for spec in SPEC.values()}
+    rules = {check.name: set(check.rules) for check in CHECKS}
+    for name in SPEC:
+        if name in TOKEN_CHECKS:
+            assert rules[name] == {"bitwise", "near_tie"}, name
+        elif name in DISTRIBUTION_CHECKS:
+            assert rules[name] == {"layerwise_distribution"}, name
+        else:
+            assert rules[name] == set(), name
+    assert set(rule_checks("near_tie")) | set(rule_checks("layerwise_distribution")) == set(CHECK_NAMES)
 
 
-def test_passing_run(tmp_path):
-    result = evaluate_gate(make_run(tmp_path / "run"))
+@pytest.mark.parametrize("rule", RULES)
+def test_passing_run(tmp_path, rule):
+    metrics = passing_metrics(rule)
+    result = evaluate_gate(make_run(tmp_path / "run", metrics))
     assert result["passed"] is True
     assert result["complete"] is True
     assert result["missing"] == []
+    assert result["parity_rule"] == rule
     assert exit_code(result) == 0
-    assert [check["name"] for check in result["checks"]] == CHECK_NAMES
+    assert [check["name"] for check in result["checks"]] == rule_checks(rule)
     defaults = Gate().model_dump()
     for check in result["checks"]:
         stage, _, threshold_key, _ = SPEC[check["name"]]
         assert check["passed"] is True, check
         assert check["stage"] == stage
-        assert check["value"] == _expected_value(check["name"], PASSING)
+        assert check["value"] == _expected_value(check["name"], metrics)
         assert check["threshold"] == defaults[threshold_key]
     # gate.json: exactly this result, JSON-serializable.
     json.dumps(result, allow_nan=False)
-    assert set(result) == {"passed", "complete", "missing", "checks"}
+    assert set(result) == {"passed", "complete", "missing", "parity_rule", "checks"}
     assert all(set(check) == {"name", "stage", "value", "threshold", "passed"} for check in result["checks"])
 
 
@@ -199,19 +325,27 @@ def test_each_check_reads_its_own_threshold(tmp_path):
         min_parity_top1_agreement=0.991,
         require_batch_invariance=True,
         require_fast_parity=True,
+        max_parity_kl_ratio=0.48,
+        max_parity_damage_diff=0.052,
+        max_parity_layer_ratio=3.9,
+        max_parity_linear_ratio=2.1,
     )
     values = distinct.model_dump()
     assert len({v for v in values.values() if not isinstance(v, bool)}) == len(values) - 2
-    result = evaluate_gate(make_run(tmp_path / "run"), distinct)
-    for check in result["checks"]:
-        assert check["threshold"] == values[SPEC[check["name"]][2]], check["name"]
-    assert result["passed"] is True
+    seen = set()
+    for rule in ("near_tie", "layerwise_distribution"):
+        result = evaluate_gate(make_run(tmp_path / rule, passing_metrics(rule)), distinct)
+        for check in result["checks"]:
+            assert check["threshold"] == values[SPEC[check["name"]][2]], check["name"]
+            seen.add(check["name"])
+        assert result["passed"] is True, rule
+    assert seen == set(SPEC)
 
 
 @pytest.mark.parametrize("name", NUMERIC)
 def test_one_metric_past_its_threshold_fails_only_that_check(tmp_path, name):
     threshold = Gate().model_dump()[SPEC[name][2]]
-    metrics = passing_metrics()
+    metrics = passing_metrics(rule_of(name))
     bad = failing_value(name, threshold)
     _set_value(metrics, name, bad, reference=0.2)
     result = evaluate_gate(make_run(tmp_path / "run", metrics))
@@ -236,7 +370,7 @@ def test_batch_invariance_failure_fails_only_that_check(tmp_path):
 @pytest.mark.parametrize("name", NUMERIC)
 def test_value_on_the_threshold_passes(tmp_path, name):
     threshold = Gate().model_dump()[SPEC[name][2]]
-    metrics = passing_metrics()
+    metrics = passing_metrics(rule_of(name))
     _set_value(metrics, name, threshold, reference=0.0)  # reference 0: the excess is exact
     result = evaluate_gate(make_run(tmp_path / "run", metrics))
     assert by_name(result)[name]["value"] == threshold
@@ -296,6 +430,159 @@ def test_a_parity_file_without_the_fast_block_is_named(tmp_path):
         evaluate_gate(make_run(tmp_path / "run", metrics))
 
 
+# --- parity rules --------------------------------------------------------------------------------
+
+
+def _adapt_checks(result: dict[str, Any]) -> list[str]:
+    return [check["name"] for check in result["checks"] if check["stage"] == "adapt"]
+
+
+def test_w4a4_run_is_gated_on_the_distribution_checks_only(tmp_path):
+    """Its token figures (2.4 max |Δ logit|, 91 % top-1, fast not close) would fail three checks."""
+    result = evaluate_gate(make_run(tmp_path / "run", passing_metrics("layerwise_distribution")))
+    assert result["parity_rule"] == "layerwise_distribution"
+    assert _adapt_checks(result) == list(DISTRIBUTION_CHECKS)
+    assert not {check["name"] for check in result["checks"]} & set(TOKEN_CHECKS)
+    assert result["passed"] is True
+    assert exit_code(result) == 0
+
+
+@pytest.mark.parametrize("rule", ["bitwise", "near_tie"])
+def test_token_rule_run_is_gated_on_the_token_checks_only(tmp_path, rule):
+    """Distribution and layerwise blocks that would fail every distribution check are not read."""
+    metrics = passing_metrics(rule)
+    failing_blocks = copy.deepcopy(PASSING_W4A4["adapt"])
+    failing_blocks["distribution"].update(kl_ratio=9.0, damage_diff=0.9)
+    failing_blocks["layerwise"].update(max_floor_ratio=40.0, max_linear_ratio=20.0, passed=False)
+    metrics["adapt"]["distribution"] = failing_blocks["distribution"]
+    metrics["adapt"]["layerwise"] = failing_blocks["layerwise"]
+    result = evaluate_gate(make_run(tmp_path / "run", metrics))
+    assert result["parity_rule"] == rule
+    assert _adapt_checks(result) == list(TOKEN_CHECKS)
+    assert not {check["name"] for check in result["checks"]} & set(DISTRIBUTION_CHECKS)
+    assert result["passed"] is True
+    metrics["adapt"]["top1_agreement"] = 0.9
+    assert failed_names(evaluate_gate(make_run(tmp_path / "failing", metrics))) == {"parity_top1_agreement"}
+
+
+def test_a_parity_file_without_a_rule_gets_the_token_checks(tmp_path):
+    """parity.json written before the `rule` key counts as near_tie, failures and all."""
+    metrics = passing_metrics()
+    del metrics["adapt"]["rule"]
+    result = evaluate_gate(make_run(tmp_path / "run", metrics))
+    assert result["parity_rule"] == "near_tie"
+    assert _adapt_checks(result) == list(TOKEN_CHECKS)
+    assert result["passed"] is True
+    metrics["adapt"]["max_abs_logit_diff"] = 3.0
+    result = evaluate_gate(make_run(tmp_path / "failing", metrics))
+    assert failed_names(result) == {"parity_logit_diff"}
+    assert result["parity_rule"] == "near_tie"
+
+
+@pytest.mark.parametrize("rule", ["w4a4", "NEAR_TIE", "layerwise", "", None, 4])
+def test_an_unknown_parity_rule_is_an_onboard_error(tmp_path, rule):
+    metrics = passing_metrics()
+    metrics["adapt"]["rule"] = rule
+    with pytest.raises(OnboardError, match=r"parity\.json: unknown parity rule") as err:
+        evaluate_gate(make_run(tmp_path / "run", metrics))
+    assert repr(rule) in str(err.value)
+
+
+@pytest.mark.parametrize("rule", ["layerwise_distribution", "w4a4"])
+def test_adapt_not_run_is_the_near_tie_rule(tmp_path, rule):
+    """A stale parity.json of a failed adapt stage (W4A4, or with a rule nobody knows) is not read:
+    the token checks are listed as missing."""
+    metrics = passing_metrics("layerwise_distribution")
+    metrics["adapt"]["rule"] = rule
+    result = evaluate_gate(make_run(tmp_path / "run", metrics, status={"adapt": "failed"}))
+    assert result["parity_rule"] == "near_tie"
+    assert _adapt_checks(result) == list(TOKEN_CHECKS)
+    _assert_missing(result, "adapt")
+
+
+@pytest.mark.parametrize("side", ["distribution", "fast.distribution"])
+@pytest.mark.parametrize("name", sorted(WORST))
+def test_distribution_checks_read_the_worse_numerics(tmp_path, name, side):
+    """Either numerics past the threshold fails the check, the other one passing."""
+    threshold = Gate().model_dump()[SPEC[name][2]]
+    metrics = passing_metrics("layerwise_distribution")
+    holder, last = _holder(metrics, "adapt", f"{side}.{SPEC[name][1].split('.')[-1]}")
+    bad = threshold + 0.05
+    holder[last] = bad
+    result = evaluate_gate(make_run(tmp_path / "run", metrics))
+    assert failed_names(result) == {name}
+    assert by_name(result)[name]["value"] == pytest.approx(bad)
+    assert exit_code(result) == 1
+
+
+def test_distribution_checks_value_is_the_larger_of_exact_and_fast(tmp_path):
+    result = by_name(evaluate_gate(make_run(tmp_path / "run", passing_metrics("layerwise_distribution"))))
+    assert result["parity_kl_ratio"]["value"] == 0.3  # fast's (exact: 0.002)
+    assert result["parity_damage_diff"]["value"] == 0.021  # exact's (fast: 0.008)
+    assert result["parity_layer_ratio"]["value"] == 1.6  # the worst layer's, not the recorded allowance 4.0
+    assert result["parity_linear_ratio"]["value"] == 0.41  # not the recorded allowance 2.0
+
+
+def test_a_broken_linear_fails_the_linear_check_only(tmp_path):
+    """A 5 % scaled o_proj: its layer still within its floor ratio, the linear 8.7 times its step."""
+    metrics = passing_metrics("layerwise_distribution")
+    layerwise = metrics["adapt"]["layerwise"]
+    layerwise["layers"][1].update(linear_ratio=8.7, worst_linear="model.layers.1.self_attn.o_proj", passed=False)
+    layerwise.update(
+        max_linear_ratio=8.7,
+        passed=False,
+        first_failing_layer="model.layers.1",
+        first_failing_module="model.layers.1.self_attn.o_proj",
+    )
+    result = evaluate_gate(make_run(tmp_path / "run", metrics))
+    assert failed_names(result) == {"parity_linear_ratio"}
+    assert by_name(result)["parity_linear_ratio"]["value"] == 8.7
+    # A looser recipe lets it through: the gate judges by the recipe, not by the file's `passed`.
+    assert evaluate_gate(make_run(tmp_path / "loose", metrics, gate=Gate(max_parity_linear_ratio=10)))["passed"]
+
+
+@pytest.mark.parametrize(
+    ("key", "check"),
+    [
+        ("distribution", "parity_kl_ratio"),
+        ("fast.distribution", "parity_kl_ratio"),
+        ("distribution.damage_diff", "parity_damage_diff"),
+        ("layerwise", "parity_layer_ratio"),
+        ("layerwise.max_linear_ratio", "parity_linear_ratio"),
+    ],
+)
+def test_a_w4a4_parity_file_without_a_figure_is_named(tmp_path, key, check):
+    metrics = passing_metrics("layerwise_distribution")
+    holder, last = _holder(metrics, "adapt", key)
+    del holder[last]
+    with pytest.raises(OnboardError, match=rf"parity\.json has no '{last}', which check {check} needs"):
+        evaluate_gate(make_run(tmp_path / "run", metrics))
+
+
+# The worst-of checks keep a NaN in second place (Python's max(exact, nan) would drop it, and
+# fast numerics whose logits went NaN would pass on exact's figure).
+W4A4_NOT_NUMBERS = [
+    pytest.param(key, value)
+    for key in (
+        "distribution.kl_ratio",
+        "fast.distribution.kl_ratio",
+        "fast.distribution.damage_diff",
+        "layerwise.max_floor_ratio",
+        "layerwise.max_linear_ratio",
+    )
+    for value in (None, "0.1", float("nan"), float("inf"))
+]
+
+
+@pytest.mark.parametrize(("key", "value"), W4A4_NOT_NUMBERS)
+def test_a_w4a4_figure_that_is_not_a_number_is_an_onboard_error(tmp_path, key, value):
+    metrics = passing_metrics("layerwise_distribution")
+    holder, last = _holder(metrics, "adapt", key)
+    holder[last] = value
+    with pytest.raises(OnboardError, match=r"parity\.json"):
+        evaluate_gate(make_run(tmp_path / "run", metrics))
+
+
 def _assert_missing(result: dict[str, Any], stage: str) -> None:
     assert result["complete"] is False
     assert result["passed"] is False
@@ -308,14 +595,18 @@ def _assert_missing(result: dict[str, Any], stage: str) -> None:
         else:  # the stages that did run are still measured
             assert check["passed"] is True, check
             assert check["value"] is not None, check
+    assert [c["name"] for c in result["checks"]] == rule_checks(result["parity_rule"])
     assert {c["name"] for c in result["checks"] if c["stage"] == stage} == {
-        name for name, spec in SPEC.items() if spec[0] == stage
+        name for name in rule_checks(result["parity_rule"]) if SPEC[name][0] == stage
     }
 
 
+@pytest.mark.parametrize("rule", ["near_tie", "layerwise_distribution"])
 @pytest.mark.parametrize("stage", list(STAGE_FILES))
-def test_missing_stage_file_is_incomplete(tmp_path, stage):
-    _assert_missing(evaluate_gate(make_run(tmp_path / "run", skip_files=(stage,))), stage)
+def test_missing_stage_file_is_incomplete(tmp_path, stage, rule):
+    result = evaluate_gate(make_run(tmp_path / "run", passing_metrics(rule), skip_files=(stage,)))
+    assert result["parity_rule"] == ("near_tie" if stage == "adapt" else rule)
+    _assert_missing(result, stage)
 
 
 @pytest.mark.parametrize("state", ["failed", "running", None])
@@ -486,8 +777,8 @@ def _suite(result: dict[str, Any]) -> ET.Element:
     assert len(suites) == 1
     suite = suites[0]
     cases = suite.findall("testcase")
-    assert int(suite.get("tests")) == len(cases) == len(CHECKS)
-    assert [case.get("name") for case in cases] == CHECK_NAMES
+    assert int(suite.get("tests")) == len(cases) == len(rule_checks(result["parity_rule"]))
+    assert [case.get("name") for case in cases] == rule_checks(result["parity_rule"])
     for case in cases:
         assert case.get("classname", "").endswith(SPEC[case.get("name")][0])
     assert int(suite.get("failures")) == sum(len(case.findall("failure")) for case in cases)
@@ -530,6 +821,17 @@ def test_junit_missing_stage_gives_errors(tmp_path):
     assert suite.get("failures") == "1"
     error = next(c for c in suite.findall("testcase") if c.get("name") == "garbage_excess").find("error")
     assert "smoke" in error.get("message")
+
+
+def test_junit_w4a4_run_has_the_distribution_testcases(tmp_path):
+    metrics = passing_metrics("layerwise_distribution")
+    metrics["adapt"]["layerwise"]["max_floor_ratio"] = 6.5
+    suite = _suite(evaluate_gate(make_run(tmp_path / "run", metrics)))
+    names = {case.get("name") for case in suite.findall("testcase")}
+    assert set(DISTRIBUTION_CHECKS) <= names and not names & set(TOKEN_CHECKS)
+    assert _cases_with(suite, "failure") == {"parity_layer_ratio"}
+    failure = next(c for c in suite.findall("testcase") if c.get("name") == "parity_layer_ratio").find("failure")
+    assert "6.5" in failure.get("message") and "4.0" in failure.get("message")
 
 
 def test_junit_is_escaped(tmp_path):
@@ -589,6 +891,19 @@ def test_cli_failing_run_exits_1(tmp_path):
     written = json.loads((run / "gate.json").read_text())
     assert written["passed"] is False and written["complete"] is True
     assert failed_names(written) == {"parity_logit_diff"}
+
+
+def test_cli_failing_w4a4_run_exits_1(tmp_path):
+    metrics = passing_metrics("layerwise_distribution")
+    metrics["adapt"]["fast"]["distribution"]["damage_diff"] = 0.099
+    run = make_run(tmp_path / "run", metrics)
+    proc = run_cli(run)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    written = json.loads((run / "gate.json").read_text())
+    assert written["parity_rule"] == "layerwise_distribution"
+    assert failed_names(written) == {"parity_damage_diff"}
+    assert by_name(written)["parity_damage_diff"]["value"] == 0.099
 
 
 def test_cli_incomplete_run_exits_2(tmp_path):

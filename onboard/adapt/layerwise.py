@@ -3,105 +3,36 @@
 For a checkpoint larger than memory, whole-model parity cannot hold both models at once.  Here
 only the embeddings, the head and ONE decoder layer of each side are resident at a time: the
 reference stream starts at the embeddings of the parity prompts, and for each layer i both sides
-run layer i (built from the checkpoint's tensors for that layer only) on transformers' recorded
-input of layer i, the outputs are compared, and transformers' output becomes layer i+1's input.
-A layer that computes something else is caught and named, whatever the layers around it do.
-Finally the engine's norm and lm_head run on transformers' last hidden states.
+run layer i (built from the checkpoint's tensors for that layer only, `reference_layers.py` for
+transformers' side, plain or compressed-tensors) on transformers' recorded input of layer i,
+the outputs are compared, and transformers' output becomes layer i+1's input.  Finally both
+sides' norm and lm_head run on transformers' last hidden states.
 
-Plain (unquantized) checkpoints only: compressed-tensors decompresses a model as a whole.
-transformers 5 holds MoE experts as fused 3-D tensors that checkpoints store per expert; the
-per-layer load stacks them as its conversion mapping does (gate and up concatenated).
+Each layer's error is judged against its own floor: how far transformers' own output moves when
+its input is rounded the other way in the last bit on a random half of its elements, which is
+what a kernel that rounds differently anywhere upstream does.  The floor holds the layer's
+rounding in the compute dtype and, where the layer quantizes its activations (W4A4, FP8 W8A8),
+the quantizer's steps such a change flips, so a pure kernel difference lands near 1x its floor
+while a layer that computes something else lands far above and is named (`MAX_LAYER_RATIO`).
+Exact numerics compute transformers' own products, so the error is usually zero.
 """
 
-import copy
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.progress import Progress
-from safetensors import safe_open
 
+from onboard.adapt.reference_layers import ReferenceLayers, layer_tensors
 from onboard.console import console
 from onboard.errors import OnboardError
+from onboard.recipes import Gate
 
-# Per-layer tolerance on max |Δ| relative to the reference's largest magnitude (at least 1):
-# the engine's prefill kernels are transformers' own, so agreement is usually exact.
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1 / 64}
-_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-def _layer_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
-                if name.startswith(prefix):
-                    out[name[len(prefix) :]] = handle.get_tensor(name)
-    return out
-
-
-def _fuse_experts(tensors: dict[str, torch.Tensor], wanted: set[str]) -> dict[str, torch.Tensor]:
-    """Per-expert `mlp.experts.E.{gate,up,down}_proj.weight` as transformers' fused parameters."""
-    experts: dict[str, dict[int, torch.Tensor]] = {}
-    out = {}
-    for name, value in tensors.items():
-        match = _EXPERT.match(name)
-        if match and "mlp.experts.gate_up_proj" in wanted:
-            experts.setdefault(match.group(2), {})[int(match.group(1))] = value
-        else:
-            out[name] = value
-    if experts:
-        count = len(experts["gate_proj"])
-        out["mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([experts["gate_proj"][e], experts["up_proj"][e]]) for e in range(count)]
-        )
-        out["mlp.experts.down_proj"] = torch.stack([experts["down_proj"][e] for e in range(count)])
-    return out
-
-
-class _Reference:
-    """transformers' pieces of the model, built one decoder layer at a time."""
-
-    def __init__(self, path: Path, config: Any, dtype: torch.dtype, device: torch.device):
-        from transformers import AutoModelForCausalLM
-
-        config = copy.deepcopy(config)  # the engine keeps its own
-        config._attn_implementation = "sdpa"
-        self.path, self.config, self.dtype, self.device = path, config, dtype, device
-        with torch.device("meta"):
-            shell = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        self.layer_cls = type(shell.model.layers[0])
-        self.norm_cls = type(shell.model.norm)
-        self.rotary = type(shell.model.rotary_emb)(config).to(device)
-        self.keep_fp32 = set(getattr(shell, "_keep_in_fp32_modules_strict", None) or [])
-
-    def layer(self, index: int) -> torch.nn.Module:
-        module = self.layer_cls(self.config, index).to(self.dtype)
-        for name, buffer in list(module.named_buffers()):
-            if any(key in name for key in self.keep_fp32):
-                owner, _, leaf = name.rpartition(".")
-                setattr(module.get_submodule(owner) if owner else module, leaf, buffer.float())
-        wanted = set(module.state_dict())
-        tensors = _fuse_experts(_layer_tensors(self.path, f"model.layers.{index}."), wanted)
-        missing = sorted(wanted - set(tensors))
-        if missing:
-            raise OnboardError(f"layerwise parity: model.layers.{index} has no stored {missing[0]}")
-        module.load_state_dict({k: tensors[k] for k in wanted}, strict=True)
-        return module.to(self.device).eval()
-
-    def mask(self, embeds: torch.Tensor, position_ids: torch.Tensor):
-        from transformers.masking_utils import create_causal_mask
-
-        sparse = getattr(self.config, "index_topk", None) is not None  # DSA layers always get a mask
-        return create_causal_mask(
-            config=self.config,
-            inputs_embeds=embeds,
-            attention_mask=None,
-            past_key_values=None,
-            position_ids=position_ids,
-            allow_is_causal_skip=not sparse,
-        )
+# A layer passes while its RMS error stays within this many times its floor's RMS, and each of
+# its linears, run on transformers' own input for it, within MAX_LINEAR_RATIO times the RMS of
+# its output's rounding step: the recipe schema's defaults, where the measurements are noted.
+MAX_LAYER_RATIO = Gate.model_fields["max_parity_layer_ratio"].default
+MAX_LINEAR_RATIO = Gate.model_fields["max_parity_linear_ratio"].default
 
 
 def _engine_step(engine_model, length: int, device: torch.device):
@@ -137,94 +68,187 @@ def check_layerwise(path: Path) -> Any:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
-    if getattr(config, "quantization_config", None):
-        raise OnboardError("layerwise parity runs on plain checkpoints; this one is quantized (compressed-tensors)")
     if any(t == "sliding_attention" for t in getattr(config, "layer_types", None) or []):
         raise OnboardError("layerwise parity does not build sliding-window masks yet; run whole-model adapt")
     return config
 
 
-def _diff(mine: torch.Tensor, theirs: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:
-    mine, theirs = mine.float(), theirs.float()
-    scale = max(1.0, float(theirs.abs().max()))
-    worst = float((mine - theirs).abs().max())
-    return {"max_abs_diff": worst, "relative_diff": worst / scale, "passed": worst / scale <= TOLERANCE[dtype]}
+def last_bit_perturbed(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """x with a random half of its elements one unit in the last place larger in magnitude (the
+    integer view of a float grows with its magnitude, sign aside)."""
+    int_type = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[x.dtype]
+    bump = torch.randint(0, 2, x.shape, generator=gen, dtype=int_type).to(x.device)
+    return (x.contiguous().view(int_type) + bump).view(x.dtype)
+
+
+def ulp(y: torch.Tensor) -> torch.Tensor:
+    """One unit in the last place of each element of `y`, in its dtype (its rounding step)."""
+    magnitude = y.abs()
+    return torch.nextafter(magnitude, torch.full_like(magnitude, float("inf"))) - magnitude
+
+
+class _Error:
+    """A module's error against transformers' output and its floor, over every prompt."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.max_abs = self.scale = 0.0
+        self.error_sq = self.floor_sq = 0.0
+        self.count = 0
+
+    def add(self, mine: torch.Tensor, theirs: torch.Tensor, moved: torch.Tensor | None = None) -> None:
+        """The floor: the output's own rounding step and, given `moved` (transformers' output on the
+        perturbed input), how far that moved it."""
+        floor = ulp(theirs).double().square()
+        if moved is not None:
+            floor += (moved.double() - theirs.double()).square()
+        mine, theirs = mine.float(), theirs.float()
+        self.max_abs = max(self.max_abs, float((mine - theirs).abs().max()))
+        self.scale = max(self.scale, float(theirs.abs().max()))
+        self.error_sq += float((mine - theirs).double().square().sum())
+        self.floor_sq += float(floor.sum())
+        self.count += theirs.numel()
+
+    @property
+    def ratio(self) -> float:
+        return 0.0 if self.error_sq == 0 else (self.error_sq / self.floor_sq) ** 0.5
+
+    def entry(self) -> dict[str, Any]:
+        return {
+            "layer": self.name,
+            "max_abs_diff": self.max_abs,
+            "relative_diff": self.max_abs / max(1.0, self.scale),
+            "error_rms": (self.error_sq / self.count) ** 0.5,
+            "floor_rms": (self.floor_sq / self.count) ** 0.5,
+            "floor_ratio": self.ratio,
+            "passed": self.ratio <= MAX_LAYER_RATIO,
+        }
+
+
+class _LinearRecorder:
+    """transformers' linears in one layer, recording (input, output) while `active`."""
+
+    def __init__(self, layer: torch.nn.Module, prefix: str):
+        self.active = False
+        self.calls: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for name, module in layer.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_hook(self._hook(f"{prefix}.{name}"))
+
+    def _hook(self, name: str):
+        def record(_module, args, output):
+            if self.active:
+                self.calls.setdefault(name, []).append((args[0].detach(), output.detach()))
+
+        return record
+
+
+def _linear_errors(recorder: _LinearRecorder, engine_layer: torch.nn.Module, errors: dict[str, "_Error"]) -> None:
+    """Each engine linear on transformers' own recorded input for it, against its output; the
+    floor is the output's rounding step (the inputs are the same, so the quantizer's are too)."""
+    from onboard.engine.linear import EngineLinear
+
+    mine = {m.name: m for m in engine_layer.modules() if isinstance(m, EngineLinear)}
+    for name, calls in recorder.calls.items():
+        if name not in mine:  # fused on the engine's side, or a reference-only module
+            continue
+        error = errors.setdefault(name, _Error(name))
+        for inputs, output in calls:
+            flat = output.reshape(-1, output.shape[-1])
+            error.add(mine[name](inputs.reshape(-1, inputs.shape[-1])), flat)
+    recorder.calls.clear()
 
 
 @torch.inference_mode()
-def measure_layerwise(path: Path, prompts: list[list[int]], dtype: torch.dtype, device: str = "cpu") -> dict[str, Any]:
-    """Per decoder layer (and the head), the engine's output against transformers' on transformers' input."""
+def measure_layerwise(
+    path: Path, prompts: list[list[int]], dtype: torch.dtype, device: str = "cpu", engine_layer=None
+) -> dict[str, Any]:
+    """Per decoder layer (and the head), the engine's output against transformers' on transformers'
+    input, each error against the layer's floor.  `engine_layer(model, index)`: how the engine's
+    layer is built (a test breaks one)."""
     from onboard.engine.models import model_class
     from onboard.engine.weights import CheckpointWeights
 
     device_ = torch.device(device)
     config = check_layerwise(path)
-    weights = CheckpointWeights(path, dtype=dtype, device=device_)
+    weights = CheckpointWeights(path, dtype=dtype, device=device_, fuse_linears=False)
     engine_model = model_class(config)(config, weights, layer_ids=())
-    reference = _Reference(path, config, dtype, device_)
+    build = engine_layer or (lambda model, i: model.make_layer(config, weights, f"model.layers.{i}", i))
+    reference = ReferenceLayers(path, config, dtype, device_)
     streams = [engine_model.embed_tokens[torch.tensor(p, device=device_)] for p in prompts]
     contexts = [_engine_step(engine_model, len(p), device_) for p in prompts]
     topk: list[torch.Tensor | None] = [None] * len(prompts)
+    gen = torch.Generator().manual_seed(0)
     layers = []
     with Progress(console=console) as progress:
         task = progress.add_task("layerwise parity", total=config.num_hidden_layers)
         for index in range(config.num_hidden_layers):
             theirs_layer = reference.layer(index)
-            mine_layer = engine_model.make_layer(config, weights, f"model.layers.{index}", index)
-            entry = {"layer": f"model.layers.{index}", "max_abs_diff": 0.0, "relative_diff": 0.0, "passed": True}
+            mine_layer = build(engine_model, index)
+            error = _Error(f"model.layers.{index}")
+            recorder, linears = _LinearRecorder(theirs_layer, f"model.layers.{index}"), {}
             for p, x in enumerate(streams):
                 position_ids = torch.arange(x.shape[0], device=device_)[None]
-                embeds = x[None]
                 kwargs = {
-                    "attention_mask": reference.mask(embeds, position_ids),
+                    "attention_mask": reference.mask(x[None], position_ids),
                     "position_ids": position_ids,
-                    "position_embeddings": reference.rotary(embeds, position_ids),
+                    "position_embeddings": reference.rotary(x[None], position_ids),
                 }
                 if getattr(config, "indexer_types", None) is not None:
                     kwargs["prev_topk_indices"] = topk[p]
-                out = theirs_layer(embeds, **kwargs)
-                if isinstance(out, tuple):  # GLM-5 layers hand their top-k to the next layer
-                    out, topk[p] = out
-                want = out[0]
-                got = mine_layer.forward(x, contexts[p])
-                diff = _diff(got, want, dtype)
-                entry["max_abs_diff"] = max(entry["max_abs_diff"], diff["max_abs_diff"])
-                entry["relative_diff"] = max(entry["relative_diff"], diff["relative_diff"])
-                entry["passed"] = entry["passed"] and diff["passed"]
-                streams[p] = want
+                recorder.active = True
+                want, selected = _run(theirs_layer, x, kwargs)
+                recorder.active = False
+                moved, _ = _run(theirs_layer, last_bit_perturbed(x, gen), kwargs)
+                error.add(mine_layer.forward(x, contexts[p]), want[0], moved[0])
+                _linear_errors(recorder, mine_layer, linears)
+                streams[p], topk[p] = want[0], selected
+            entry = error.entry()
+            worst = max(linears.values(), key=lambda e: e.ratio, default=None)
+            entry["linear_ratio"] = 0.0 if worst is None else worst.ratio
+            entry["worst_linear"] = None if worst is None else worst.name
+            entry["passed"] = entry["passed"] and entry["linear_ratio"] <= MAX_LINEAR_RATIO
             layers.append(entry)
             del theirs_layer, mine_layer
             progress.advance(task)
-    head = _head(path, config, engine_model, reference, streams, dtype, device_)
+    head = _head(path, config, engine_model, reference, streams, gen)
     failing = [e["layer"] for e in layers if not e["passed"]] + ([] if head["passed"] else ["head"])
     return {
         "dtype": str(dtype).removeprefix("torch."),
         "num_prompts": len(prompts),
         "num_tokens": sum(len(p) for p in prompts),
+        "max_layer_ratio": MAX_LAYER_RATIO,
         "layers": layers,
         "head": head,
         "max_abs_diff": max([e["max_abs_diff"] for e in layers] + [head["max_abs_diff"]]),
+        "max_floor_ratio": max([e["floor_ratio"] for e in layers] + [head["floor_ratio"]]),
+        "max_linear_ratio": max([e["linear_ratio"] for e in layers], default=0.0),
+        "max_linear_ratio_allowed": MAX_LINEAR_RATIO,
         "passed": not failing,
         "first_failing_layer": failing[0] if failing else None,
+        # the linear that failed in it, where one did (its own input, its output's rounding step)
+        "first_failing_module": next(
+            (e["worst_linear"] for e in layers if not e["passed"] and e["linear_ratio"] > MAX_LINEAR_RATIO), None
+        ),
     }
 
 
-def _head(path, config, engine_model, reference: _Reference, streams, dtype, device) -> dict[str, Any]:
+def _run(layer: torch.nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+    """transformers' layer on `[T, H]` rows: (its output, the top-k GLM-5 layers hand on, or None)."""
+    out = layer(x[None], **kwargs)
+    return out if isinstance(out, tuple) else (out, None)
+
+
+def _head(path, config, engine_model, reference: ReferenceLayers, streams, gen) -> dict[str, Any]:
     """The final norm and lm_head of both sides on transformers' last hidden states."""
-    norm = reference.norm_cls(config.hidden_size, eps=config.rms_norm_eps)
-    tensors = {"weight": _layer_tensors(path, "model.norm.")["weight"]}
-    norm.load_state_dict(tensors)
-    norm = norm.to(device=device, dtype=dtype)
+    norm = reference.norm()
     if getattr(config, "tie_word_embeddings", False):
         head_weight = engine_model.embed_tokens
     else:
-        head_weight = _layer_tensors(path, "lm_head.")["weight"].to(device=device, dtype=dtype)
-    result = {"layer": "head", "max_abs_diff": 0.0, "relative_diff": 0.0, "passed": True}
+        head_weight = layer_tensors(path, "lm_head.")["weight"].to(device=reference.device, dtype=reference.dtype)
+    error = _Error("head")
     for x in streams:
-        want = torch.nn.functional.linear(norm(x[None])[0], head_weight).float()
-        got = engine_model.compute_logits(engine_model.norm.forward(x))
-        diff = _diff(got, want, dtype)
-        result["max_abs_diff"] = max(result["max_abs_diff"], diff["max_abs_diff"])
-        result["relative_diff"] = max(result["relative_diff"], diff["relative_diff"])
-        result["passed"] = result["passed"] and diff["passed"]
-    return result
+        want = torch.nn.functional.linear(norm(x[None])[0], head_weight)
+        moved = torch.nn.functional.linear(norm(last_bit_perturbed(x, gen)[None])[0], head_weight)
+        error.add(engine_model.compute_logits(engine_model.norm.forward(x)), want, moved)
+    return error.entry()

@@ -1,6 +1,7 @@
 """`onboard adapt`: the checkpoint in the reference engine, checked against transformers."""
 
 import copy
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,12 +64,11 @@ class ReferenceDecode:
 
 @torch.inference_mode()
 def _reference_greedy(model, prompt: list[int], eos_ids: set[int], pad_id: int) -> ReferenceDecode:
-    """transformers' greedy continuation, decoded on two copies of the prompt: the engine runs every
-    linear on at least two rows (oneDNN rounds a one-row product differently, and batch invariance
-    needs one kernel for every batch size), so two rows make both sides run the same kernels."""
+    """transformers' greedy continuation of the prompt alone, as a user runs it: the engine's
+    exact numerics run the same products with the same rows (`engine/model_runner.py`)."""
     out = model.generate(
-        torch.tensor([prompt, prompt], device=model.device),
-        attention_mask=torch.ones(2, len(prompt), dtype=torch.long, device=model.device),
+        torch.tensor([prompt], device=model.device),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
         max_new_tokens=MAX_NEW_TOKENS,
         do_sample=False,
         eos_token_id=sorted(eos_ids),
@@ -87,21 +87,43 @@ def _engine(checkpoint: Checkpoint, dtype: torch.dtype, device: str, numerics: s
     return LLMEngine(checkpoint.path, config, dtype=dtype)
 
 
+RULES = ("bitwise", "near_tie", "layerwise_distribution")
+
+
 def measure_parity(
-    checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", num_prompts: int = NUM_PROMPTS
+    checkpoint: Checkpoint,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    num_prompts: int = NUM_PROMPTS,
+    source: Checkpoint | None = None,
 ) -> dict[str, Any]:
     """Exact numerics against transformers: teacher-forced logits, greedy continuations and, for
     DSA models, the indexer's selected keys at every position.  The fast numerics (what serves)
     are judged against the same reference in the `fast` block: logits, greedy continuations and
-    whether every divergence is a near-tie."""
+    whether every divergence is a near-tie.
+
+    `rule` says which rule judges the result: `bitwise` (every logit and token transformers'
+    own), `near_tie` (bf16, FP8 and weight-only formats: every divergence a near-tie), or, for
+    an artifact that quantizes activations to 4 bits, `layerwise_distribution`: the layerwise
+    rule (`layerwise.py`) and the distribution rule against `source`, the unquantized model
+    (`distribution.py`), for both numerics."""
+    from onboard.adapt.distribution import DistributionParity, quantizes_activations_to_4_bits
     from onboard.adapt.dsa import compare_selections
     from onboard.engine import SamplingParams
 
+    four_bit = quantizes_activations_to_4_bits(checkpoint.config)
+    if four_bit and source is None:
+        raise OnboardError(
+            f"{checkpoint.path} quantizes activations to 4 bits: its parity rule compares both sides with the "
+            "unquantized model; run adapt on the run directory `onboard quantize` made"
+        )
     tokenizer = load_tokenizer(checkpoint)
     prompts = parity_prompts(tokenizer, num_prompts)
     engine = _engine(checkpoint, dtype, device)
     fast = _engine(checkpoint, dtype, device, "fast")
     reference = load_model(checkpoint, dtype).to(device)
+    source_model = load_model(source, dtype).to(device) if four_bit else None
+    distribution = DistributionParity()
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, logprobs=TOP)
     stats = KLStats()
     max_diff = fast_max_diff = exact_max_diff = 0.0
@@ -120,7 +142,13 @@ def measure_parity(
             trace: dict = {}
             with torch.inference_mode():
                 ref_logits = reference(torch.tensor([forced], device=device)).logits[0].float().cpu()
-            max_diff = max(max_diff, compare_logits(engine.score(forced, trace=trace).cpu(), ref_logits, stats))
+            engine_logits = engine.score(forced, trace=trace).cpu()
+            max_diff = max(max_diff, compare_logits(engine_logits, ref_logits, stats))
+            if source_model is not None:
+                with torch.inference_mode():
+                    source_logits = source_model(torch.tensor([forced], device=device)).logits[0].float().cpu()
+                sides = {"exact": engine_logits, "fast": fast.score(forced).cpu()}
+                distribution.update(source_logits, ref_logits, sides)
             if trace:
                 index_sets.append(compare_selections(reference, forced, trace))
             (quick,) = fast.generate([prompt], greedy)
@@ -180,6 +208,15 @@ def measure_parity(
         "greedy_match_rate": sum(c.matched for c in fast_cases) / len(fast_cases),
         "logprobs_close": all(c.near_tie for c in fast_cases),
     }
+    bitwise = max_diff == 0 and result["greedy_match_rate"] == 1 and exact_max_diff == 0
+    result["rule"] = "layerwise_distribution" if four_bit else ("bitwise" if bitwise else "near_tie")
+    if four_bit:
+        from onboard.adapt.layerwise import measure_layerwise
+
+        result["distribution"] = distribution.summary("exact")
+        result["fast"]["distribution"] = distribution.summary("fast")
+        layerwise = measure_layerwise(checkpoint.path, prompts, dtype, device)
+        result["layerwise"] = {k: v for k, v in layerwise.items() if k not in ("dtype", "num_prompts")}
     return result
 
 
@@ -201,12 +238,12 @@ def _decode_agreement(model, reference: ReferenceDecode, completion) -> dict[str
     if known < len(tokens):
         cache = copy.deepcopy(reference.cache)
         cache.crop(len(reference.prompt) + known - 1)
-        mask = torch.ones(2, len(reference.prompt) + known - 1, dtype=torch.long, device=model.device)
+        mask = torch.ones(1, len(reference.prompt) + known - 1, dtype=torch.long, device=model.device)
         for token in tokens[known - 1 : -1]:
             mask = torch.cat([mask, mask[:, :1]], dim=1)
-            ids = torch.tensor([[token], [token]], device=model.device)
-            out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-            steps.append(out.logits[:1, -1].float().cpu())
+            ids = torch.tensor([[token]], device=model.device)
+            out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            steps.append(out.logits[:, -1].float().cpu())
     logits = torch.cat(steps)
     ids = torch.tensor(tokens)
     theirs = logits.log_softmax(-1)[torch.arange(len(tokens)), ids]
@@ -231,6 +268,23 @@ def parity_table(result: dict[str, Any]) -> Table:
     table.add_row("same top token", f"{100 * result['top1_agreement']:.2f} %")
     table.add_row(f"identical {result['max_new_tokens']}-token greedy", f"{100 * result['greedy_match_rate']:.1f} %")
     table.add_row("divergences only at near-ties", str(result["logprobs_close"]))
+    if "rule" in result:
+        table.add_row("rule", result["rule"])
+    for label, block in (("exact", result.get("distribution")), ("fast", result.get("fast", {}).get("distribution"))):
+        if block:
+            table.add_row(
+                f"{label}: KL(transformers‖engine) ÷ KL(source‖transformers)",
+                f"{block['kl_transformers_engine']:.2e} ÷ {block['kl_source_transformers']:.4f}"
+                f" = {block['kl_ratio']:.4f}",
+            )
+            table.add_row(
+                f"{label}: KL(source‖engine) against KL(source‖transformers)",
+                f"{block['kl_source_engine']:.4f}, {100 * block['damage_diff']:.2f} % apart",
+            )
+    if "layerwise" in result:
+        layerwise = result["layerwise"]
+        worst = max(layerwise["layers"] + [layerwise["head"]], key=lambda e: e["floor_ratio"])
+        table.add_row("layerwise: worst error ÷ its floor", f"{worst['floor_ratio']:.2f} ({worst['layer']})")
     if "index_sets" in result:
         sets = result["index_sets"]
         table.add_row("DSA: same selected keys", f"{sets['equal']}/{sets['positions']} positions")
@@ -247,20 +301,32 @@ def parity_table(result: dict[str, Any]) -> Table:
     return table
 
 
+def source_of(run: RunDir) -> Checkpoint | None:
+    """The unquantized model the run's artifact was made from (its quantize stage's input)."""
+    from onboard.models import inspect_checkpoint
+
+    quantize = run.stage_entry("quantize")
+    path = (quantize or {}).get("inputs", {}).get("model_path")
+    return inspect_checkpoint(Path(path)) if path else None
+
+
 def run_adapt(
     run: RunDir, checkpoint: Checkpoint, device: str = "cpu", dtype: torch.dtype = torch.bfloat16
 ) -> dict[str, Any]:
     console.print(f"{', '.join(checkpoint.architectures)} -> engine model {engine_model_for(checkpoint)}")
+    source = source_of(run) if Path(checkpoint.path).resolve() == run.artifact.resolve() else None
 
     def body(stage: Stage) -> dict[str, Any]:
         torch.manual_seed(0)
-        result = measure_parity(checkpoint, dtype, device)
+        result = measure_parity(checkpoint, dtype, device, source=source)
         atomic.write_json(stage.path("adapt/parity.json"), result)
-        return {k: v for k, v in result.items() if k != "cases"}
+        return {k: v for k, v in result.items() if k not in ("cases", "layerwise")}
 
     inputs = {"model": fingerprint(checkpoint.path), "dtype": str(dtype), "device": device}
+    if source is not None:
+        inputs["source"] = fingerprint(source.path)
     entry = run.run_stage("adapt", inputs, outputs=["adapt/parity.json"], body=body)
-    console.print(parity_table(entry["metrics"]))
+    console.print(parity_table(json.loads((run.root / "adapt" / "parity.json").read_text())))
     return entry
 
 
@@ -278,7 +344,9 @@ def run_layerwise(
     def body(stage: Stage) -> dict[str, Any]:
         result = measure_layerwise(checkpoint.path, prompts, dtype, device)
         atomic.write_json(stage.path("adapt/layerwise.json"), result)
-        return {k: result[k] for k in ("passed", "max_abs_diff", "first_failing_layer", "num_tokens")}
+        return {
+            k: result[k] for k in ("passed", "max_abs_diff", "max_floor_ratio", "first_failing_layer", "num_tokens")
+        }
 
     inputs = {"model": fingerprint(checkpoint.path), "dtype": str(dtype), "device": device}
     entry = run.run_stage("adapt_layerwise", inputs, outputs=["adapt/layerwise.json"], body=body)
@@ -287,15 +355,14 @@ def run_layerwise(
 
 
 def layerwise_table(metrics: dict[str, Any], path: Path) -> Table:
-    import json
-
     table = Table(title="engine against transformers, one decoder layer at a time", title_justify="left")
-    for column in ("layer", "max |Δ|", "relative", "passed"):
+    for column in ("layer", "max |Δ|", "RMS error", "floor RMS", "÷ floor", "passed"):
         table.add_column(column, justify="left" if column == "layer" else "right")
     result = json.loads(path.read_text())
     for entry in [*result["layers"], result["head"]]:
         passed = "yes" if entry["passed"] else "[red]NO[/red]"
-        table.add_row(entry["layer"], f"{entry['max_abs_diff']:.3g}", f"{entry['relative_diff']:.3g}", passed)
+        cells = (entry["max_abs_diff"], entry["error_rms"], entry["floor_rms"], entry["floor_ratio"])
+        table.add_row(entry["layer"], *(f"{v:.3g}" for v in cells), passed)
     if metrics["first_failing_layer"]:
         table.caption = f"first failing: {metrics['first_failing_layer']}"
     return table

@@ -97,7 +97,7 @@ class LLMEngine:
         packed = sum(
             m.out_features * m.in_features * model.dtype.itemsize
             for m in model.modules()
-            if isinstance(m, EngineLinear) and m.packed is not None
+            if isinstance(m, EngineLinear) and m.plain is None
         )
         tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
         return packed + sum(

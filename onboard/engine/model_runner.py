@@ -10,8 +10,8 @@ from onboard.engine.attention import attention_backend
 from onboard.engine.batch import ForwardBatch
 from onboard.engine.config import EngineConfig
 from onboard.engine.context import StepContext
+from onboard.engine.kernels import choose_kernels
 from onboard.engine.kv_cache import KVCache
-from onboard.engine.linear import use_fast_kernels
 from onboard.engine.models import model_class
 from onboard.engine.scheduler import ScheduledSeq
 from onboard.engine.weights import CheckpointWeights
@@ -39,18 +39,27 @@ def logits_rows(item: ScheduledSeq) -> tuple[int, int]:
 
 
 class ModelRunner:
+    """Exact numerics run each scheduled sequence as its own forward, so every product has the
+    rows transformers gives it for that request alone (a kernel may sum a row in another order
+    at another row count): a request computes the same bits alone or batched, on any machine.
+    Fast numerics run the step's rows together, through kernels chosen for batch invariance."""
+
     def __init__(self, path: Path, config: EngineConfig, dtype: torch.dtype = torch.bfloat16):
         self.config = config
         self.device = torch.device(config.device)
         self.hf_config = AutoConfig.from_pretrained(path)
-        weights = CheckpointWeights(Path(path), dtype=dtype, device=self.device)
+        weights = CheckpointWeights(Path(path), dtype=dtype, device=self.device, fuse_linears=not self.exact)
         self.model = model_class(self.hf_config)(self.hf_config, weights)
-        if config.numerics == "fast":
-            use_fast_kernels(self.model, config.batch_invariant)
+        # Fast numerics: each weight shape's kernels, as measured on this machine (`kernels.py`).
+        self.kernel_report = [] if self.exact else choose_kernels(self.model, config.batch_invariant)
         self.backend = attention_backend(self.device, config.attention_backend, config.numerics, config.batch_invariant)
         self.kv_layout = self.model.kv_layout
         self.cache = KVCache(self.kv_layout, config.num_blocks, config.block_size, self.device)
         self.vocab_size = self.hf_config.get_text_config().vocab_size
+
+    @property
+    def exact(self) -> bool:
+        return self.config.numerics == "exact"
 
     def prepare(self, scheduled: list[ScheduledSeq]) -> ForwardBatch:
         """The step's inputs.  Logits rows, sequence by sequence in position order (`logits_rows`):
@@ -103,6 +112,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq], aux_layers: tuple[int, ...] = ()) -> StepResult:
+        if self.exact and len(scheduled) > 1:
+            parts = [self.run([item], aux_layers) for item in scheduled]
+            return StepResult(
+                torch.cat([p.logits for p in parts]),
+                torch.cat([p.aux for p in parts]) if aux_layers else None,
+                {seq_id: rows for p in parts for seq_id, rows in p.prompt_logits.items()},
+            )
         batch, out = self._forward(scheduled, aux_layers, None)
         aux = torch.cat(out.aux_hidden_states, dim=-1) if aux_layers else None
         if len(batch.logits_indices) == 0:
@@ -124,6 +140,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_hidden(self, scheduled: list[ScheduledSeq], aux_layers: tuple[int, ...] = (), trace=None):
         """Final hidden states `[T, H]` of every computed token and the aux layers' inputs."""
+        if self.exact and len(scheduled) > 1:
+            parts = [self.forward_hidden([item], aux_layers, trace) for item in scheduled]
+            aux = [torch.cat([p[1][i] for p in parts]) for i in range(len(aux_layers))]
+            return torch.cat([p[0] for p in parts]), aux
         _, out = self._forward(scheduled, aux_layers, trace)
         return out.hidden, out.aux_hidden_states
 

@@ -4,7 +4,8 @@ Each step serves running sequences first (a decode token each, or the next prefi
 admits waiting ones first come first served while the token budget, the sequence cap and the KV
 cache allow. A running sequence that needs a block nobody can give preempts the most recently
 arrived running sequence (possibly itself): its blocks are freed and it waits at the front of the
-queue to recompute prompt and generated tokens.
+queue to recompute prompt and generated tokens.  In exact numerics a waiting prompt that fits in
+a step is admitted only whole, so its prefill has the rows it would have alone.
 
 A sequence that scores its prompt (prompt logprobs) never reuses cached prefix blocks, as in vLLM:
 positions served from the cache would have no logits.
@@ -100,6 +101,8 @@ class Scheduler:
             and len(scheduled) < self.config.max_num_seqs
             and self.block_manager.can_allocate(self.waiting[0], reuse_prefix=self._reuse_prefix(self.waiting[0]))
         ):
+            if self._would_split(self.waiting[0], budget):
+                break
             seq = self.waiting.popleft()
             self.block_manager.allocate(seq, reuse_prefix=self._reuse_prefix(seq))
             seq.status = SequenceStatus.RUNNING
@@ -107,6 +110,13 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, min(len(seq) - seq.num_computed_tokens, budget)))
             budget -= scheduled[-1].num_new_tokens
         return scheduled
+
+    def _would_split(self, seq: Sequence, budget: int) -> bool:
+        """Exact numerics: a prompt that fits in a step is not cut to this step's leftover budget;
+        it waits for a step with room, as alone it is prefilled whole.  (One longer than a whole
+        step is chunked anyway.)"""
+        remaining = len(seq) - seq.num_computed_tokens
+        return self.config.numerics == "exact" and budget < remaining <= self.config.max_num_batched_tokens
 
     def _reuse_prefix(self, seq: Sequence) -> bool:
         return self.config.enable_prefix_caching and not seq.scores_prompt

@@ -66,10 +66,19 @@ class _Spec:
 class CheckpointWeights:
     """The tensors of the checkpoint directory `path` (config.json and *.safetensors)."""
 
-    def __init__(self, path: Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        path: Path,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+        fuse_linears: bool = True,
+    ):
         self.path = Path(path)
         self.dtype = dtype
         self.device = torch.device(device)
+        # False in exact numerics: transformers runs q/k/v (gate/up) as separate products, and a
+        # fused one is another shape, for which a kernel may sum in another order.
+        self.fuse_linears = fuse_linears
         try:
             config = json.loads((self.path / "config.json").read_text())
         except (OSError, ValueError) as err:
@@ -132,13 +141,16 @@ class CheckpointWeights:
 
     def linear(self, prefix: str) -> EngineLinear:
         spec = self._spec(prefix)
-        return EngineLinear(self._weight(prefix, spec), self._bias(prefix), self._act_quant(prefix, spec), spec.fmt)
+        act_quant = self._act_quant(prefix, spec)
+        return EngineLinear(self._weight(prefix, spec), self._bias(prefix), act_quant, spec.fmt, name=prefix)
 
     def fused_linear(self, prefixes: list[str]) -> EngineLinear:
         """The linears `prefixes` (q/k/v, gate/up) as one, outputs concatenated in that order; exact
         only when they share format and activation quantization, else NotFusable."""
         if not prefixes:
             raise ValueError("fused_linear needs at least one module")
+        if not self.fuse_linears:
+            raise NotFusable(f"{prefixes}: fusing is off (exact numerics)")
         specs = [self._spec(p) for p in prefixes]
         if len(set(specs)) != 1:
             raise NotFusable(f"{prefixes}: formats differ ({', '.join(s.fmt for s in specs)})")
@@ -153,7 +165,7 @@ class CheckpointWeights:
             raise NotFusable(f"{prefixes}: some have a bias and some do not")
         weight = torch.cat([self._weight(p, spec) for p in prefixes], dim=0)
         bias = None if biases[0] is None else torch.cat(biases, dim=0)
-        return EngineLinear(weight, bias, self._act_quant(prefixes[0], spec), spec.fmt)
+        return EngineLinear(weight, bias, self._act_quant(prefixes[0], spec), spec.fmt, name="+".join(prefixes))
 
     def _spec(self, prefix: str) -> _Spec:
         scheme = self._quant.scheme_for(prefix) if self._quant else None

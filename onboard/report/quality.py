@@ -3,7 +3,7 @@
 from typing import Any
 
 from onboard.report import svg
-from onboard.report.fmt import is_num
+from onboard.report.fmt import MISSING, is_num, num, pct
 from onboard.report.load import Run, as_dict, as_list, section
 
 KL_STATS = ("mean_kld", "median_kld", "p90_kld", "p99_kld", "max_kld", "top1_agreement", "rms_delta_p")
@@ -104,6 +104,83 @@ def fast_numerics(parity: dict[str, Any]) -> dict[str, Any] | None:
     return as_dict(parity.get("fast")) or None
 
 
+# parity.json's `rule` (onboard/adapt/stage.py): what judged the run, in words.
+PARITY_RULES = {
+    "bitwise": "every logit and greedy token transformers' own",
+    "near_tie": "greedy text parts from transformers' only at near-ties",
+    "layerwise_distribution": "4-bit activations: each layer against its floor, the distribution against the source",
+}
+
+
+def parity_rule(parity: dict[str, Any]) -> str:
+    """The rule and what it means; a file older than the key was judged by the near-tie rule."""
+    rule = parity.get("rule")
+    if rule is None:
+        return f"near_tie ({PARITY_RULES['near_tie']}; parity.json predates the rule key)"
+    if rule in PARITY_RULES:
+        return f"{rule} ({PARITY_RULES[rule]})"
+    return f"{num(rule)} (unknown rule)"
+
+
+def distribution_view(parity: dict[str, Any]) -> list[tuple[str, str, str]] | None:
+    """The layerwise-distribution rule's statistics (`distribution`, `fast.distribution`) as rows of
+    (measure, exact, fast); None when neither block is there (runs without 4-bit activations)."""
+    exact = as_dict(parity.get("distribution"))
+    fast = as_dict(as_dict(parity.get("fast")).get("distribution"))
+    if not exact and not fast:
+        return None
+
+    def damage(block: dict[str, Any]) -> str:
+        shown = pct(block.get("damage_diff"), 2)
+        se = block.get("damage_diff_se")
+        return f"{shown} ± {pct(se, 2)}" if is_num(se) else shown
+
+    rows = [
+        ("KL(transformers‖engine) ÷ KL(source‖transformers)", lambda b: num(b.get("kl_ratio"))),
+        ("KL(transformers‖engine)", lambda b: num(b.get("kl_transformers_engine"))),
+        ("KL(source‖transformers): the damage transformers measures", lambda b: num(b.get("kl_source_transformers"))),
+        ("KL(source‖engine): the damage the engine serves", lambda b: num(b.get("kl_source_engine"))),
+        ("damage difference (± standard error)", damage),
+        ("positions", lambda b: num(b.get("num_positions"))),
+    ]
+    return [(label, cell(exact) if exact else MISSING, cell(fast) if fast else MISSING) for label, cell in rows]
+
+
+def _ratio(value: Any, allowed: Any) -> str:
+    return f"{num(value)} (allowed ≤ {num(allowed)})" if is_num(allowed) else num(value)
+
+
+def layerwise_view(parity: dict[str, Any]) -> list[tuple[str, str]] | None:
+    """parity.json's `layerwise` block as (label, value) rows: the worst layer (largest RMS error over
+    its floor) with its floor ratio and its worst linear, the largest linear ratio of any layer, the
+    verdict, and where it first failed; None when the block is not there."""
+    block = as_dict(parity.get("layerwise"))
+    if not block:
+        return None
+    layers = [as_dict(e) for e in as_list(block.get("layers"))]
+    head = as_dict(block.get("head"))
+    ranked = [e for e in [*layers, head] if is_num(e.get("floor_ratio"))]
+    worst = max(ranked, key=lambda e: e["floor_ratio"], default={})
+    linear = worst.get("worst_linear")
+    linear_ratio = num(worst.get("linear_ratio"))
+    tokens = block.get("num_tokens")
+    rows = [
+        ("checked", f"{len(layers)} decoder layers and the head on {num(tokens)} tokens"),
+        ("worst layer", num(worst.get("layer"))),
+        ("its RMS error ÷ floor", _ratio(worst.get("floor_ratio"), block.get("max_layer_ratio"))),
+        ("its worst linear ÷ rounding step", f"{linear_ratio} ({linear})" if linear else linear_ratio),
+        (
+            "largest linear ÷ rounding step, any layer",
+            _ratio(block.get("max_linear_ratio"), block.get("max_linear_ratio_allowed")),
+        ),
+        ("passed", num(block.get("passed"))),
+    ]
+    if block.get("passed") is not True:
+        rows.append(("first failing layer", num(block.get("first_failing_layer"))))
+        rows.append(("first failing module", num(block.get("first_failing_module"))))
+    return rows
+
+
 def build_parity(run: Run) -> dict[str, Any]:
     parity = run.json("adapt/parity.json")
     data = parity or {}
@@ -119,4 +196,7 @@ def build_parity(run: Run) -> dict[str, Any]:
         matched=sum(1 for c in cases if c.get("matched") is True),
         examples=[dict(cases[i], index=i) for i in shown if cases[i].get("matched") is not True],
         fast=fast_numerics(data),
+        rule=parity_rule(data),
+        distribution=distribution_view(data),
+        layerwise=layerwise_view(data),
     )

@@ -173,30 +173,32 @@ def test_bad_dtype_or_device_is_one_error_line(
     assert not (tmp_path / "run").exists()
 
 
-def test_layerwise_refuses_a_quantized_artifact_before_touching_the_run(tiny_llama: Path, tmp_path: Path, cli) -> None:
-    quantized = tmp_path / "quantized"
-    quantized.mkdir()
-    for file in tiny_llama.iterdir():
-        (quantized / file.name).write_bytes(file.read_bytes())
-    config = json.loads((quantized / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {}}
-    (quantized / "config.json").write_text(json.dumps(config))
-    code, out, err = cli("adapt", str(quantized), "--out", str(tmp_path / "run"), "--layerwise")
-    assert code == 2 and "Traceback" not in out + err
-    (line,) = error_lines(err)
-    assert "plain checkpoints" in line
-    assert not (tmp_path / "run").exists()
+def test_layerwise_compares_a_quantized_artifact_in_its_run(tiny_llama: Path, tmp_path: Path, cli) -> None:
+    """`adapt RUN --layerwise` on a W4A4 artifact: transformers' layers under compressed-tensors,
+    one at a time, each against its floor."""
+    from artifacts import quantize_into
+
+    from onboard.recipes import Calibration, Quantize
+
+    run = tmp_path / "run"
+    quantize_into(run, tiny_llama, Quantize(scheme="nvfp4", calibration=Calibration(num_samples=2, max_seq_length=64)))
+    code, out, err = cli("adapt", str(run), "--layerwise")
+    assert code == 0, err
+    result = json.loads((run / "adapt" / "layerwise.json").read_text())
+    assert result["passed"] and result["max_linear_ratio"] == 0.0
+    assert all(entry["worst_linear"].startswith(entry["layer"]) for entry in result["layers"])
+    assert "÷ floor" in out + err
 
 
 @torch.inference_mode()
 def _decoded_from_scratch(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """transformers decoding `tokens` after `prompt` one at a time from an empty cache: `[n, V]`."""
-    ids = torch.tensor([prompt, prompt])
+    ids = torch.tensor([prompt])
     out = model(ids, attention_mask=torch.ones_like(ids), use_cache=True)
     rows, mask = [out.logits[0, -1]], torch.ones_like(ids)
     for token in tokens[:-1]:
         mask = torch.cat([mask, mask[:, :1]], dim=1)
-        out = model(torch.tensor([[token], [token]]), attention_mask=mask, past_key_values=out.past_key_values)
+        out = model(torch.tensor([[token]]), attention_mask=mask, past_key_values=out.past_key_values)
         rows.append(out.logits[0, -1])
     return torch.stack(rows).float()
 

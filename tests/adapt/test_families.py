@@ -29,9 +29,12 @@ def test_whole_model_parity(arch: str, dtype: torch.dtype, request) -> None:
         assert sets["positions"] > 0 and sets["equal_rate"] == 1.0
     else:
         assert "index_sets" not in result
-    fast = result["fast"]  # the weight-absorbed decode against the same reference continuations
+    # fast numerics against the same reference continuations: the weight-absorbed decode in fp32,
+    # the expanded one through fast kernels in bf16; every divergence a near-tie
+    fast = result["fast"]
+    assert fast["logprobs_close"], fast
     if dtype == torch.float32:
-        assert fast["greedy_match_rate"] == 1.0 and fast["logprobs_close"] and fast["top1_agreement"] >= 0.99
+        assert fast["greedy_match_rate"] == 1.0 and fast["top1_agreement"] >= 0.99
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -88,17 +91,3 @@ def test_a_wrong_layer_is_caught_and_named(tiny_deepseek_v32: Path, monkeypatch:
     assert [e["passed"] for e in layerwise["layers"]] == [True, False, True]
     whole = measure_parity(inspect_checkpoint(tiny_deepseek_v32), torch.float32, num_prompts=2)
     assert whole["max_abs_logit_diff"] > 1e-2
-
-
-def test_layerwise_refuses_quantized_checkpoints(tmp_path: Path, tiny_llama: Path) -> None:
-    import json
-    import shutil
-
-    from onboard.errors import OnboardError
-
-    path = Path(shutil.copytree(tiny_llama, tmp_path / "q"))
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {}}
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(OnboardError, match="plain checkpoints"):
-        measure_layerwise(path, [[1, 2, 3]], torch.float32)

@@ -92,9 +92,10 @@ class Engine:
         raise AssertionError("engine did not drain")
 
 
-def config(**kwargs: int) -> EngineConfig:
+def config(**kwargs) -> EngineConfig:
+    """Fast numerics' scheduling: prompts cut to any step's leftover budget (chunked prefill)."""
     defaults = dict(block_size=4, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
-    return EngineConfig(**{**defaults, **kwargs})
+    return EngineConfig(**{**defaults, "numerics": "fast", **kwargs})
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -130,6 +131,23 @@ def test_token_budget_and_seq_cap_respected() -> None:
     assert max(len(step) for step in engine.steps) == 3
     for i, seq in enumerate(seqs):
         assert seq.completion_token_ids == reference(prompt(7, i), 5)
+
+
+def test_exact_numerics_admits_a_prompt_that_fits_in_a_step_whole() -> None:
+    """A prompt is not cut to a step's leftover budget (its prefill would get other rows than
+    alone); one longer than a whole step is chunked anyway."""
+    engine = Engine(config(max_num_batched_tokens=10, max_num_seqs=3, numerics="exact"))
+    seqs = [engine.add(prompt(7, i), 5) for i in range(3)] + [engine.add(prompt(25, 9), 2)]
+    engine.run()
+    first_chunks = {}
+    for step in engine.steps:
+        for seq_id, n in step:
+            first_chunks.setdefault(seq_id, n)
+    assert [first_chunks[s.seq_id] for s in seqs[:3]] == [7, 7, 7]
+    assert first_chunks[seqs[3].seq_id] < 25
+    for i, seq in enumerate(seqs[:3]):
+        assert seq.completion_token_ids == reference(prompt(7, i), 5)
+    assert seqs[3].completion_token_ids == reference(prompt(25, 9), 2)
 
 
 def test_fcfs_admission_does_not_skip_ahead() -> None:

@@ -173,6 +173,14 @@ def test_engine_serves_the_artifact_as_compressed_tensors_computes_it(built, arc
     assert any(".experts." in n for n in linears)
     for name, module in linears.items():
         assert torch.equal(weights.linear(name).weight, module.weight.to(torch.bfloat16)), name
-    result = measure_parity(checkpoint, torch.bfloat16, num_prompts=2)
+    result = measure_parity(checkpoint, torch.bfloat16, num_prompts=2, source=inspect_checkpoint(done.source))
     assert result["top1_agreement"] >= 0.99, result
     assert result["logprobs_close"], result["cases"]
+    if fmt == "nvfp4":
+        # fast numerics (the expanded MLA decode through fast kernels): every divergence a near-tie.
+        # Not asserted on the other formats: on these tiny random models a DSA top-k or routed
+        # expert near a tie flips with fast's roundings now and then (glm_moe_dsa NVFP4A16 here:
+        # one prompt in four, a 3.4-logit jump at one position), which no token rule admits.
+        assert result["fast"]["logprobs_close"], result["fast"]
+    if result["rule"] == "layerwise_distribution":  # NVFP4 W4A4 and the mixed artifact's MLPs
+        assert result["layerwise"]["passed"], result["layerwise"]

@@ -1,23 +1,41 @@
 """The engine-parity card's fast-numerics table from adapt/parity.json's `fast` block: fast's
-figures beside exact's floor, and nothing of it in a run older than the block."""
+figures beside exact's floor, and nothing of it in a run older than the block.  Then the parity
+rule the run was judged by and, for an artifact with 4-bit activations (`layerwise_distribution`),
+the distribution figures of both numerics and the layerwise rule's worst layer."""
 
 import json
 import re
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from onboard.report import write_report
 
-from .runs import write
+from .runs import parity, write
 from .test_report import section
 
 FAST_TITLE = "fast numerics (the default for serve, smoke and the speculator's data)"
+DISTRIBUTION_TITLE = "distribution rule (against transformers and the unquantized source)"
+LAYERWISE_TITLE = "layerwise rule (each decoder layer on transformers' own input)"
+
+
+def _table_rows(card: str, title: str) -> list[list[str]]:
+    table = re.search(rf"<h3>{re.escape(title)}</h3>.*?<table[^>]*>(.*?)</table>", card, re.DOTALL)
+    assert table, f"no table under {title!r}"
+    rows = re.findall(r"<tr>(.*?)</tr>", table.group(1), re.DOTALL)
+    return [re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", row) for row in rows]
 
 
 def _fast_rows(card: str) -> list[list[str]]:
-    table = re.search(rf"<h3>{re.escape(FAST_TITLE)}</h3>\s*<table>(.*?)</table>", card, re.DOTALL)
-    assert table, "no fast-numerics table"
-    rows = re.findall(r"<tr>(.*?)</tr>", table.group(1), re.DOTALL)
-    return [re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", row) for row in rows]
+    return _table_rows(card, FAST_TITLE)
+
+
+def _kv(card: str) -> dict[str, str]:
+    """The card's first key-value table (the exact figures)."""
+    table = re.search(r'<table class="kv">(.*?)</table>', card, re.DOTALL)
+    assert table, "no key-value table"
+    return dict(re.findall(r"<tr><th>(.*?)</th><td[^>]*>(.*?)</td></tr>", table.group(1)))
 
 
 def test_fast_figures_beside_the_exact_floor(full_run_dir: Path) -> None:
@@ -49,3 +67,170 @@ def test_a_run_without_the_fast_block_shows_no_fast_table(full_run_dir: Path) ->
     card = section(write_report(full_run_dir).read_text(), "parity")
     assert "fast numerics" not in card and "decode steps" not in card
     assert "greedy match rate" in card and "<h3>Cases</h3>" in card  # the exact figures are still there
+
+
+def _layer(index: int, floor_ratio: float, linear_ratio: float, worst_linear: str) -> dict[str, Any]:
+    return {
+        "layer": f"model.layers.{index}",
+        "max_abs_diff": 0.0625,
+        "relative_diff": 0.004,
+        "error_rms": 0.002 * floor_ratio,
+        "floor_rms": 0.002,
+        "floor_ratio": floor_ratio,
+        "passed": floor_ratio <= 4 and linear_ratio <= 2,
+        "linear_ratio": linear_ratio,
+        "worst_linear": f"model.layers.{index}.{worst_linear}",
+    }
+
+
+def w4a4_parity() -> dict[str, Any]:
+    """parity.json of an NVFP4 W4A4 artifact (rule `layerwise_distribution`), every rule passing;
+    the worst layer by floor ratio (1) is not the one with the largest linear ratio (2)."""
+    data = parity()
+    data["rule"] = "layerwise_distribution"
+    data["distribution"] = {
+        "kl_transformers_engine": 1e-4,
+        "kl_source_transformers": 0.05,
+        "kl_source_engine": 0.05105,
+        "kl_ratio": 0.002,
+        "damage_diff": 0.021,
+        "damage_diff_se": 0.011,
+        "num_positions": 512,
+    }
+    data["fast"]["distribution"] = {
+        "kl_transformers_engine": 0.015,
+        "kl_source_transformers": 0.05,
+        "kl_source_engine": 0.0504,
+        "kl_ratio": 0.3,
+        "damage_diff": 0.008,
+        "damage_diff_se": 0.012,
+        "num_positions": 512,
+    }
+    layers = [
+        _layer(0, 1.1, 0.003, "self_attn.o_proj"),
+        _layer(1, 1.6, 0.05, "self_attn.q_proj"),
+        _layer(2, 1.2, 0.41, "mlp.down_proj"),
+    ]
+    head = {k: v for k, v in _layer(3, 0.83, 0, "lm_head").items() if k not in ("linear_ratio", "worst_linear")}
+    data["layerwise"] = {
+        "num_tokens": 512,
+        "max_layer_ratio": 4.0,
+        "layers": layers,
+        "head": {**head, "layer": "head"},
+        "max_abs_diff": 0.0625,
+        "max_floor_ratio": 1.6,
+        "max_linear_ratio": 0.41,
+        "max_linear_ratio_allowed": 2.0,
+        "passed": True,
+        "first_failing_layer": None,
+        "first_failing_module": None,
+    }
+    return data
+
+
+def _card(run: Path, data: dict[str, Any]) -> str:
+    write(run, "adapt/parity.json", data)
+    return section(write_report(run).read_text(), "parity")
+
+
+def test_w4a4_card_shows_the_rule_both_distributions_and_the_worst_layer(full_run_dir: Path) -> None:
+    card = _card(full_run_dir, w4a4_parity())
+    assert _kv(card)["parity rule"].startswith("layerwise_distribution (4-bit activations")
+    assert "shown, not gated" in card
+    assert _table_rows(card, DISTRIBUTION_TITLE) == [
+        ["measure", "exact", "fast"],
+        ["KL(transformers‖engine) ÷ KL(source‖transformers)", "0.00200", "0.300"],
+        ["KL(transformers‖engine)", "1.00e-04", "0.0150"],
+        ["KL(source‖transformers): the damage transformers measures", "0.0500", "0.0500"],
+        ["KL(source‖engine): the damage the engine serves", "0.0510", "0.0504"],
+        ["damage difference (± standard error)", "2.10% ± 1.10%", "0.80% ± 1.20%"],
+        ["positions", "512", "512"],
+    ]
+    assert _table_rows(card, LAYERWISE_TITLE) == [
+        ["checked", "3 decoder layers and the head on 512 tokens"],
+        ["worst layer", "model.layers.1"],
+        ["its RMS error ÷ floor", "1.60 (allowed ≤ 4.00)"],
+        ["its worst linear ÷ rounding step", "0.0500 (model.layers.1.self_attn.q_proj)"],
+        ["largest linear ÷ rounding step, any layer", "0.410 (allowed ≤ 2.00)"],
+        ["passed", "yes"],
+    ]
+    assert "first failing" not in card  # only when the layerwise rule failed
+    assert _fast_rows(card)[1] == ["top-1 agreement at decode steps", "98.6%", "98.3%"]  # still there
+
+
+def test_failed_layerwise_names_the_first_failing_layer_and_module(full_run_dir: Path) -> None:
+    """A 5 % scaled o_proj in layer 2: its layer 4.6 times its floor, the linear 8.7 times its step."""
+    data = w4a4_parity()
+    layerwise = data["layerwise"]
+    layerwise["layers"][2] = _layer(2, 4.6, 8.7, "self_attn.o_proj")
+    layerwise.update(
+        max_floor_ratio=4.6,
+        max_linear_ratio=8.7,
+        passed=False,
+        first_failing_layer="model.layers.2",
+        first_failing_module="model.layers.2.self_attn.o_proj",
+    )
+    rows = dict(map(tuple, _table_rows(_card(full_run_dir, data), LAYERWISE_TITLE)))
+    assert rows["worst layer"] == "model.layers.2"
+    assert rows["its RMS error ÷ floor"] == "4.60 (allowed ≤ 4.00)"
+    assert rows["its worst linear ÷ rounding step"] == "8.70 (model.layers.2.self_attn.o_proj)"
+    assert rows["largest linear ÷ rounding step, any layer"] == "8.70 (allowed ≤ 2.00)"
+    assert rows["passed"] == "no"
+    assert rows["first failing layer"] == "model.layers.2"
+    assert rows["first failing module"] == "model.layers.2.self_attn.o_proj"
+
+
+def test_the_head_as_worst_layer_has_no_linear(full_run_dir: Path) -> None:
+    data = w4a4_parity()
+    data["layerwise"]["head"]["floor_ratio"] = 5.0
+    data["layerwise"].update(passed=False, first_failing_layer="head", first_failing_module=None)
+    rows = dict(map(tuple, _table_rows(_card(full_run_dir, data), LAYERWISE_TITLE)))
+    assert rows["worst layer"] == "head"
+    assert rows["its worst linear ÷ rounding step"] == "—"
+    assert rows["first failing layer"] == "head"
+    assert rows["first failing module"] == "—"
+
+
+@pytest.mark.parametrize(
+    ("rule", "shown"),
+    [
+        ("bitwise", "bitwise (every logit and greedy token transformers&#39; own)"),
+        ("near_tie", "near_tie (greedy text parts from transformers&#39; only at near-ties)"),
+        ("<b>w4a4</b>", "&lt;b&gt;w4a4&lt;/b&gt; (unknown rule)"),
+    ],
+)
+def test_token_rule_card_shows_its_rule_and_no_distribution(full_run_dir: Path, rule: str, shown: str) -> None:
+    data = parity()
+    data["rule"] = rule
+    card = _card(full_run_dir, data)
+    assert _kv(card)["parity rule"] == shown
+    assert "distribution rule" not in card and "layerwise rule" not in card and "not gated" not in card
+
+
+def test_an_old_parity_file_still_renders(full_run_dir: Path) -> None:
+    """parity.json from before the rule key (and before the fast block): the near-tie rule, noted."""
+    data = parity()
+    del data["fast"]
+    assert "rule" not in data
+    card = _card(full_run_dir, data)
+    assert _kv(card)["parity rule"].startswith("near_tie (")
+    assert "predates the rule key" in card
+    assert _kv(card)["greedy match rate"] == "50.0%"
+    for absent in ("distribution rule", "layerwise rule", "fast numerics", "KL(source"):
+        assert absent not in card
+
+
+def test_one_numerics_distribution_and_odd_values_render_as_dashes(full_run_dir: Path) -> None:
+    """Only exact's distribution, a layerwise block with junk in it: dashes, not an exception."""
+    data = w4a4_parity()
+    del data["fast"]["distribution"]
+    del data["distribution"]["damage_diff_se"]
+    data["distribution"]["kl_ratio"] = None
+    data["layerwise"] = {"layers": ["junk", {"layer": "model.layers.0", "floor_ratio": "high"}], "passed": None}
+    card = _card(full_run_dir, data)
+    rows = _table_rows(card, DISTRIBUTION_TITLE)
+    assert rows[1] == ["KL(transformers‖engine) ÷ KL(source‖transformers)", "—", "—"]
+    assert rows[5] == ["damage difference (± standard error)", "2.10%", "—"]
+    layer_rows = dict(map(tuple, _table_rows(card, LAYERWISE_TITLE)))
+    assert layer_rows["worst layer"] == "—"
+    assert layer_rows["first failing layer"] == "—"

@@ -7,13 +7,14 @@ never the expanded per-head K/V, which is the memory MLA exists to save.
 * prefill (and verification rows on backends that do not verify row by row) uses the expanded
   form, as transformers computes it: K/V per head from `kv_b_proj(c)`, RoPE key broadcast over
   heads, one SDPA call per sequence;
-* decode, in fast numerics, uses the weight-absorbed form: the query's no-RoPE part is
-  multiplied into the latent space (`q_nope @ W_UK`), attention runs as multi-query attention
+* decode, in fast numerics in float32, uses the weight-absorbed form: the query's no-RoPE part
+  is multiplied into the latent space (`q_nope @ W_UK`), attention runs as multi-query attention
   over the cached rows (values are the rows' first `kv_lora_rank` columns), and the output goes
-  through the value up-projection `W_UV` before `o_proj`: no per-head K/V is ever built.  In
-  exact numerics decode expands each row's context as prefill does: the same function, but
-  rounded as transformers rounds it (in bf16 the absorbed form's other roundings grow into other
-  greedy tokens within a few dozen steps on small random models; fp32 agrees to 1e-5).  Where
+  through the value up-projection `W_UV` before `o_proj`: no per-head K/V is ever built.
+  Otherwise decode expands each row's context as prefill does: the same function, rounded as
+  transformers rounds it.  In bf16 the absorbed form's other roundings grow into other greedy
+  tokens beyond near-ties within a few dozen steps on small random models (fp32 agrees to 1e-5),
+  so fast numerics keep the expanded form there (`onboard bench-kv` times both).  Where
   `kv_b_proj` quantizes its input (W4A4, FP8 W8A8) the absorbed form would skip that
   quantization, so decode stays expanded there (vLLM absorbs the dequantized weight regardless).
 
@@ -92,14 +93,24 @@ class MLAttention(torch.nn.Module):
         self.kv_a_layernorm = RMSNorm(weights.tensor(f"{prefix}.kv_a_layernorm.weight"), _LATENT_NORM_EPS)
         self.kv_b_proj = weights.linear(f"{prefix}.kv_b_proj")
         self.o_proj = weights.linear(f"{prefix}.o_proj")
-        self.absorbable = self.kv_b_proj.act_quant is None
+        # Fast numerics decode in the absorbed form only in float32: in 16-bit dtypes its other
+        # roundings part from transformers beyond near-ties on small random models (a flipped
+        # routed expert), so bf16 keeps the expanded form (`onboard bench-kv` shows the cost).
+        # Where kv_b_proj quantizes its input the absorbed form would skip that quantization.
+        self.absorb = False
         self.w_uk = self.w_uv_t = None
-        if self.absorbable:
+        self.set_absorbed(self.kv_b_proj.weight.dtype == torch.float32)
+        self.indexer = indexer
+        self.shares_selection = shares_selection
+
+    def set_absorbed(self, on: bool) -> None:
+        """Fast numerics' decode form: absorbed (`on`, where kv_b_proj does not quantize its input)
+        or expanded; the absorbed form holds W_UK and W_UV apart from kv_b_proj."""
+        self.absorb = on and self.kv_b_proj.act_quant is None
+        if self.absorb and self.w_uk is None:
             kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
             self.w_uk = kv_b[:, : self.nope].contiguous()  # [h, nope, rank]
             self.w_uv_t = kv_b[:, self.nope :].transpose(1, 2).contiguous()  # [h, rank, v]
-        self.indexer = indexer
-        self.shares_selection = shares_selection
 
     def _rotate(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         cos, sin = ctx.tables["cos"], ctx.tables["sin"]
@@ -148,7 +159,7 @@ class MLAttention(torch.nn.Module):
         if meta.decode_rows is not None:
             rows = meta.decode_rows
             selected = selection.decode if selection is not None else None
-            if self.absorbable and ctx.numerics == "fast":
+            if self.absorb and ctx.numerics == "fast":
                 q_lat = torch.bmm(q_pass[rows].transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, h, rank]
                 q_abs = torch.cat([q_lat, q_rot[rows]], dim=-1)
                 out = ctx.backend.decode(

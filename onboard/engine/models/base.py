@@ -55,7 +55,7 @@ class DecoderModel(torch.nn.Module):
         self.layers = torch.nn.ModuleList(self.make_layer(config, weights, f"model.layers.{i}", i) for i in ids)
         self.norm = RMSNorm(weights.tensor("model.norm.weight"), config.rms_norm_eps)
         if getattr(config, "tie_word_embeddings", False):
-            self.lm_head = EngineLinear(self.embed_tokens)
+            self.lm_head = EngineLinear(self.embed_tokens, name="lm_head")
         else:
             self.lm_head = weights.linear("lm_head")
 

@@ -1,0 +1,70 @@
+"""The end-to-end parity rule for artifacts whose linears quantize their inputs to 4 bits.
+
+Every linear of a W4A4 artifact re-quantizes its input to FP4, so a last-bit difference in any
+kernel upstream grows to the size of the quantization noise within a few layers: two correct
+implementations (transformers on two CPUs, the engine's exact and fast numerics) pick other
+tokens, and no token-level rule passes them.  What a correct engine still shows, on the same
+teacher-forced tokens on every side:
+
+  kl_ratio     KL(transformers || engine) / KL(source || transformers): the engine stays much
+               closer to transformers than the quantization moved transformers from the source;
+  damage_diff  |KL(source || engine) - KL(source || transformers)| / KL(source || transformers):
+               the damage the engine serves is the damage transformers measures.
+
+`source` is the unquantized model the artifact was made from.  A layer that computes something
+else may still hide in these averages; the layerwise rule (`layerwise.py`) names it.
+"""
+
+from typing import Any
+
+import torch
+
+_NO_DAMAGE = 1e-9  # nats: below this the artifact is its source
+
+
+def quantizes_activations_to_4_bits(config: dict[str, Any]) -> bool:
+    """Whether any config group of the checkpoint's compressed-tensors config quantizes its
+    linears' inputs to 4 bits (NVFP4 W4A4)."""
+    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
+    return any((group.get("input_activations") or {}).get("num_bits") == 4 for group in groups.values())
+
+
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """Per-position KL(p || q) in float64 over `[T, V]` logits."""
+    p = p_logits.double().log_softmax(-1)
+    q = q_logits.double().log_softmax(-1)
+    return (p.exp() * (p - q)).sum(-1).clamp_min(0)
+
+
+class DistributionParity:
+    """The rule's statistics for one or more engine sides against one transformers reference."""
+
+    def __init__(self) -> None:
+        self.damage: list[torch.Tensor] = []  # KL(source || transformers) per position
+        self.sides: dict[str, dict[str, list[torch.Tensor]]] = {}
+
+    def update(self, source: torch.Tensor, reference: torch.Tensor, engines: dict[str, torch.Tensor]) -> None:
+        """One prompt's `[T, V]` logits on the same positions: the source model's, transformers' on
+        the artifact, and each engine side's."""
+        self.damage.append(_kl(source, reference))
+        for side, logits in engines.items():
+            parts = self.sides.setdefault(side, {"implementation": [], "engine_damage": []})
+            parts["implementation"].append(_kl(reference, logits))
+            parts["engine_damage"].append(_kl(source, logits))
+
+    def summary(self, side: str) -> dict[str, Any]:
+        damage = torch.cat(self.damage)
+        implementation = torch.cat(self.sides[side]["implementation"])
+        engine_damage = torch.cat(self.sides[side]["engine_damage"])
+        mean_damage = float(damage.mean())
+        scale = max(mean_damage, _NO_DAMAGE)  # an artifact equal to its source: any difference counts whole
+        return {
+            "kl_transformers_engine": float(implementation.mean()),
+            "kl_source_transformers": mean_damage,
+            "kl_source_engine": float(engine_damage.mean()),
+            "kl_ratio": float(implementation.mean()) / scale,
+            "damage_diff": abs(float(engine_damage.mean()) - mean_damage) / scale,
+            # the paired difference's standard error, relative: what chance alone moves damage_diff by
+            "damage_diff_se": float((engine_damage - damage).std() / len(damage) ** 0.5) / scale,
+            "num_positions": len(damage),
+        }

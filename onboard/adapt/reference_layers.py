@@ -1,0 +1,157 @@
+"""transformers' pieces of a checkpoint, built one decoder layer at a time from its safetensors.
+
+The reference side of layerwise parity (`layerwise.py`): a model larger than memory is never
+loaded whole.  A plain checkpoint's layer is transformers' decoder layer class with the stored
+tensors loaded into it.  A compressed-tensors artifact's layer is that class under
+compressed-tensors' own lifecycle, as `from_pretrained` runs it on a whole model: the layer sits
+at its own name (`model.layers.N`) inside an empty shell, so the config groups' targets and
+ignore patterns match it as they match the whole model; `apply_quantization_config` attaches
+the schemes, `compress_model` lays out the packed parameters the stored tensors fill, and
+`decompress_model` unpacks them, leaving the activation fake-quantization compressed-tensors
+runs in the forward.  Quantized MoE layers are linearized first, as `models/moe_artifact.py`
+loads the whole model.
+
+transformers 5 holds a plain checkpoint's MoE experts as fused 3-D tensors that checkpoints
+store per expert; the per-layer load stacks them as its conversion mapping does (gate and up
+concatenated).
+"""
+
+import copy
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from onboard.errors import OnboardError
+
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def layer_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
+                if name.startswith(prefix):
+                    out[name[len(prefix) :]] = handle.get_tensor(name)
+    return out
+
+
+def _fuse_experts(tensors: dict[str, torch.Tensor], wanted: set[str]) -> dict[str, torch.Tensor]:
+    """Per-expert `mlp.experts.E.{gate,up,down}_proj.weight` as transformers' fused parameters."""
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    out = {}
+    for name, value in tensors.items():
+        match = _EXPERT.match(name)
+        if match and "mlp.experts.gate_up_proj" in wanted:
+            experts.setdefault(match.group(2), {})[int(match.group(1))] = value
+        else:
+            out[name] = value
+    if experts:
+        count = len(experts["gate_proj"])
+        out["mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([experts["gate_proj"][e], experts["up_proj"][e]]) for e in range(count)]
+        )
+        out["mlp.experts.down_proj"] = torch.stack([experts["down_proj"][e] for e in range(count)])
+    return out
+
+
+class ReferenceLayers:
+    """transformers' decoder layers, final norm and rotary embedding for `config`, built on demand."""
+
+    def __init__(self, path: Path, config: Any, dtype: torch.dtype, device: torch.device):
+        from transformers import AutoModelForCausalLM
+
+        config = copy.deepcopy(config)  # the engine keeps its own
+        config._attn_implementation = "sdpa"
+        self.quantization = None
+        self.linearize = False  # quantized MoE experts: one Linear per expert, as stored
+        raw = getattr(config, "quantization_config", None)
+        if raw:
+            from compressed_tensors.quantization import QuantizationConfig
+
+            from onboard.models.moe_artifact import is_quantized_moe
+
+            raw = raw if isinstance(raw, dict) else raw.to_dict()
+            self.quantization = QuantizationConfig.model_validate(raw)
+            self.linearize = is_quantized_moe(config.to_dict())
+            del config.quantization_config
+        self.path, self.config, self.dtype, self.device = path, config, dtype, device
+        with torch.device("meta"):
+            shell = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        self.layer_cls = type(shell.model.layers[0])
+        self.norm_cls = type(shell.model.norm)
+        self.rotary = type(shell.model.rotary_emb)(config).to(device)
+        self.keep_fp32 = set(getattr(shell, "_keep_in_fp32_modules_strict", None) or [])
+
+    def layer(self, index: int) -> torch.nn.Module:
+        module = self.layer_cls(self.config, index).to(self.dtype)
+        for name, buffer in list(module.named_buffers()):
+            if any(key in name for key in self.keep_fp32):
+                owner, _, leaf = name.rpartition(".")
+                setattr(module.get_submodule(owner) if owner else module, leaf, buffer.float())
+        prefix = f"model.layers.{index}."
+        if self.quantization is not None:
+            module = self._compressed(module, index, layer_tensors(self.path, prefix))
+        else:
+            wanted = set(module.state_dict())
+            tensors = _fuse_experts(layer_tensors(self.path, prefix), wanted)
+            missing = sorted(wanted - set(tensors))
+            if missing:
+                raise OnboardError(f"layerwise parity: model.layers.{index} has no stored {missing[0]}")
+            module.load_state_dict({k: tensors[k] for k in wanted}, strict=True)
+        return module.to(self.device).eval()
+
+    def _compressed(self, module: torch.nn.Module, index: int, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+        from compressed_tensors.compressors import ModelCompressor
+        from compressed_tensors.quantization import apply_quantization_config
+
+        from onboard.models.moe_artifact import quantize_expert_inputs_per_token
+
+        shell = torch.nn.Module()
+        shell.config = self.config
+        shell.model = torch.nn.Module()
+        shell.model.layers = torch.nn.ModuleDict({str(index): module})
+        if self.linearize:
+            from llmcompressor.modeling.moe.linearize import linearize_moe
+
+            linearize_moe(shell)
+        # The config's targets and ignores name every layer; only this one is here to match.
+        matcher = logging.getLogger("compressed_tensors.utils.match")
+        level = matcher.level
+        matcher.setLevel(logging.ERROR)
+        try:
+            apply_quantization_config(shell, self.quantization, run_compressed=False, show_progress=False)
+        finally:
+            matcher.setLevel(level)
+        compressor = ModelCompressor(quantization_config=self.quantization)
+        compressor.compress_model(shell)
+        prefix = f"model.layers.{index}."
+        result = shell.load_state_dict({prefix + k: v for k, v in tensors.items()}, strict=False)
+        stray = [k for k in result.missing_keys if "rotary" not in k] + list(result.unexpected_keys)
+        if stray:
+            raise OnboardError(f"layerwise parity: stored tensors do not match model.layers.{index} (e.g. {stray[0]})")
+        compressor.decompress_model(shell)
+        quantize_expert_inputs_per_token(shell)
+        return shell.model.layers[str(index)]
+
+    def norm(self) -> torch.nn.Module:
+        norm = self.norm_cls(self.config.hidden_size, eps=self.config.rms_norm_eps)
+        norm.load_state_dict({"weight": layer_tensors(self.path, "model.norm.")["weight"]})
+        return norm.to(device=self.device, dtype=self.dtype)
+
+    def mask(self, embeds: torch.Tensor, position_ids: torch.Tensor):
+        from transformers.masking_utils import create_causal_mask
+
+        sparse = getattr(self.config, "index_topk", None) is not None  # DSA layers always get a mask
+        return create_causal_mask(
+            config=self.config,
+            inputs_embeds=embeds,
+            attention_mask=None,
+            past_key_values=None,
+            position_ids=position_ids,
+            allow_is_causal_skip=not sparse,
+        )
