@@ -148,6 +148,8 @@ def run_bench(checkpoint: Checkpoint, data: Path | None, device: str = "cpu", gg
         timer = partial(engine_tps, engine, new_tokens=NEW_TOKENS)
         result |= _sweep(side, side.replace("_", " "), timer, prompts)
         bytes_per_step[side] = engine.weight_bytes_per_decode_step()
+        if numerics == "fast":
+            result.setdefault("kernels", {})[side] = engine.runner.kernel_report
         if side == "engine_fast":
             result |= _prefix_ttft(engine, tokenizer, prompts)
             result["kv_bytes_per_token"] = engine.kv_layout.bytes_per_token()
@@ -228,4 +230,24 @@ def bench_table(result: dict[str, Any]) -> RenderableType:
         f"fast {100 * fast:.1f} %, exact {100 * exact:.1f} %, fast not invariant {100 * variant:.1f} %",
         f"{result['weight_bytes_per_decode_step'] / 1e6:.1f} MB of weights per decode step",
     )
-    return Group(speed, other)
+    return Group(speed, other, *([kernel_table(result["kernels"])] if result.get("kernels") else []))
+
+
+def kernel_table(kernels: dict[str, list[dict[str, Any]]]) -> Table:
+    """Fast numerics' linear kernels per weight shape, as measured on this machine
+    (`engine/kernels.py`): one row / several rows, with and without batch invariance."""
+    table = Table(title="fast numerics' linear kernels, measured here (one row / several rows)", title_justify="left")
+    for column in ("weight shape", "count", "invariant", "not invariant", "one row, µs by kernel"):
+        table.add_column(column, justify="left" if column == "weight shape" else "right")
+    other = {row["shape"]: row for row in kernels.get("engine_fast_noninvariant", [])}
+    for row in kernels.get("engine_fast", []):
+        variant = other.get(row["shape"])
+        timings = ", ".join(f"{k} {v:.0f}" for k, v in sorted(row["one_row_us"].items(), key=lambda kv: kv[1]))
+        table.add_row(
+            row["shape"].split(":", 2)[-1],
+            str(row["count"]),
+            f"{row['one_row']} / {row['rows']}",
+            "—" if variant is None else f"{variant['one_row']} / {variant['rows']}",
+            timings,
+        )
+    return table

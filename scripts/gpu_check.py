@@ -6,22 +6,39 @@ saved as a checkpoint the engine loads, and then measured against transformers o
 
 * throughput: the engine (fast numerics) against `transformers.generate` (greedy, 64 new tokens,
   EOS never stops either side) at concurrency 1, 16 and 64 on random prompts of 128 tokens;
-* parity in float32 and bfloat16: the engine in exact numerics against transformers: teacher-forced
-  logits (max |Δ logit|, top-1 agreement) and greedy continuations, one prompt at a time;
+* parity in float32 and bfloat16: the engine in exact numerics against transformers on ONE copy
+  of each prompt (batch 1, as `onboard adapt` compares: exact numerics call transformers' own ops
+  with the same shapes for a request alone): teacher-forced logits (max |Δ logit|, top-1
+  agreement) and greedy continuations, one prompt at a time; `rule` per dtype is `bitwise` (every
+  logit and greedy token identical) or else `near_tie`;
+* quantized artifacts: the random model through onboard's own quantize stage (`run_quantize`, a
+  run directory under the temporary directory; calibration on random ids of the check's own
+  vocabulary, 4 samples x 128 tokens), then, on the same prompts, in bf16:
+  - FP8 W8A8: the exact engine against transformers on the artifact, rule `bitwise` or
+    `near_tie`, passing under the Gate's token thresholds (max |Δ logit|, top-1 agreement,
+    divergences only at near-ties);
+  - NVFP4 W4A4: the same figures for information, judged by the `layerwise_distribution` rule:
+    KL(transformers‖engine) / KL(source‖transformers) and the damage difference, the worse of
+    exact and fast numerics (the source: the bf16 random model), and every layer and linear
+    against its floor (`measure_layerwise`), under the Gate's defaults;
 * speculative decoding's exactness: a random-weight EAGLE-3 draft (`engine.set_speculator(draft, 3)`)
   must leave greedy outputs exactly as plain greedy decoding gives them (exact numerics: token for
   token; fast numerics: the match rate is reported); the acceptance length is reported too (about
   1 with a random draft: this is an exactness check, not a speed one).
 
 Phases run in the order that puts the pass criteria first (the build, bf16 parity, exact spec
-decoding, fp32 parity, then throughput and fast spec decoding); each has a time budget, prints its
-elapsed time, and a phase that would end past `--deadline` is skipped.  The JSON report (`--out`)
-is rewritten after every phase, so a run cut short still leaves what it measured.
+decoding, fp32 parity, the FP8 and NVFP4 artifacts, then throughput and fast spec decoding); each
+has a time budget, prints its elapsed time, and a phase that would end past `--deadline` is
+skipped.  The JSON report (`--out`) is rewritten after every phase, so a run cut short still
+leaves what it measured.  Each artifact, its models and engines are freed after its phase.
 
 Exit status 0 when fp32 exact parity has top-1 agreement >= 0.99 and speculative decoding in
-exact numerics reproduces plain greedy decoding token for token, 1 otherwise (one-line reason).
+exact numerics reproduces plain greedy decoding token for token, and, for those of these phases
+that ran, bf16 exact parity is `bitwise`, the FP8 artifact passes the near-tie rule and the NVFP4
+artifact the layerwise-distribution rule; 1 otherwise (one-line reason).  A conditional phase
+skipped (deadline, --phases) is listed as not checked, not failed; one that failed is a failure.
 
-    scripts/gpu_check.sh                                   # llama3-8b shape on cuda (< 8 min on one H200)
+    scripts/gpu_check.sh                                   # llama3-8b shape on cuda (< 9 min on one H200)
     scripts/gpu_check.sh --shape tiny --device cpu         # the same code on the CPU (< 1 min)
 """
 
@@ -31,6 +48,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import os
 import platform
 import shutil
@@ -58,6 +76,12 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 FIRST_PROMPT_ID = 4  # random prompts never contain the special tokens
 TOP = 5  # top-k ids compared at a greedy divergence (near-tie rule, as `onboard adapt`)
 FP32_TOP1_MIN = 0.99
+# Checks of the verdict that hold when their phase ran: (phase, report["parity"] key, label).
+CONDITIONAL = (
+    ("parity_bf16", "bfloat16", "bf16 exact parity"),
+    ("parity_fp8", "fp8", "fp8 artifact parity"),
+    ("parity_nvfp4", "nvfp4", "nvfp4 artifact parity"),
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,7 +106,16 @@ class Shape:
     workload: dict[str, int] = field(default_factory=dict)  # Settings defaults this shape changes
 
 
-PHASES = ("build", "parity_bf16", "spec_exact", "parity_fp32", "throughput", "spec_fast")
+PHASES = (
+    "build",
+    "parity_bf16",
+    "spec_exact",
+    "parity_fp32",
+    "parity_fp8",
+    "parity_nvfp4",
+    "throughput",
+    "spec_fast",
+)
 
 SHAPES = {
     "llama3-8b": Shape(
@@ -97,14 +130,19 @@ SHAPES = {
         rms_norm_eps=1e-5,
         init_std=0.02,
         draft_vocab_size=32000,
-        # Estimates for one H200 (model init + a 16 GB save; engine loads of 16 and 32 GB): 420 s in all.
+        # Estimates for one H200 (model init + a 16 GB save; engine loads of 16 and 32 GB; the
+        # artifacts: quantize fp8 ~60 s, nvfp4 oneshot on 4 x 128 tokens ~120 s, then transformers
+        # loads and decompresses each on the CPU): 520 s in all, the default deadline, so that the
+        # run ends well inside the 10 minutes a lent device runs one command.  Not yet measured.
         budgets={
-            "build": 90,
-            "parity_bf16": 50,
-            "spec_exact": 50,
-            "parity_fp32": 80,
-            "throughput": 110,
-            "spec_fast": 40,
+            "build": 60,
+            "parity_bf16": 35,
+            "spec_exact": 40,
+            "parity_fp32": 55,
+            "parity_fp8": 90,
+            "parity_nvfp4": 170,
+            "throughput": 50,
+            "spec_fast": 20,
         },
     ),
     "tiny": Shape(
@@ -120,12 +158,15 @@ SHAPES = {
         # At hidden 64, 0.02 leaves the next-token distribution nearly uniform (bf16 ties everywhere).
         init_std=0.15,
         draft_vocab_size=256,
-        # On 2 busy CPU cores; the speculative runs cost most (the draft runs one sequence at a time).
+        # On 2 busy CPU cores; the speculative runs and the quantize stage (llmcompressor's import
+        # and oneshot) cost most.
         budgets={
             "build": 10,
             "parity_bf16": 10,
             "spec_exact": 15,
             "parity_fp32": 10,
+            "parity_fp8": 30,
+            "parity_nvfp4": 40,
             "throughput": 15,
             "spec_fast": 15,
         },
@@ -150,7 +191,9 @@ class Settings:
     spec_prompts: int = 16
     spec_tokens: int = 32
     spec_k: int = 3
-    deadline: float = 470.0  # seconds: a phase that would end later (at its budget) is skipped
+    calib_samples: int = 4  # the artifacts' calibration (NVFP4's activation scales): samples x tokens
+    calib_tokens: int = 128
+    deadline: float = 520.0  # seconds: a phase that would end later (at its budget) is skipped
     phases: list[str] = field(default_factory=lambda: list(PHASES))
 
 
@@ -252,6 +295,12 @@ def build_draft(engine, shape: Shape, dtype: torch.dtype, seed: int):
 # ---------------------------------------------------------------------------------------------
 
 
+def _worst(values) -> float:
+    """The largest value, or a NaN where one is (`max` would drop a NaN in second place)."""
+    values = list(values)
+    return next((v for v in values if math.isnan(v)), max(values))
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"[:400]
@@ -338,6 +387,7 @@ class GpuCheck:
                 record["error"] = _first_line(err)
                 record["traceback"] = traceback.format_exc()[-4000:]
             self.sync()
+            self.release()  # what the phase dropped (an artifact's models and engines), errors included
             record["elapsed_s"] = round(time.monotonic() - began, 2)
             record["over_budget"] = record["elapsed_s"] > budget
             if self.device.type == "cuda":
@@ -392,6 +442,10 @@ class GpuCheck:
 
     def free_engines(self) -> None:
         self.engines.clear()
+        self.release()
+
+    def release(self) -> None:
+        """Return what dropped references held (models, engines, KV caches) to the device."""
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -400,9 +454,7 @@ class GpuCheck:
         """The transformers model in `dtype`, converted in place (bf16 -> fp32 -> bf16 is lossless)."""
         if self.hf.dtype != dtype:
             self.hf.to(dtype)
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self.release()
         return self.hf
 
     # -- phases --------------------------------------------------------------------------------------
@@ -448,13 +500,23 @@ class GpuCheck:
         }
 
     def workdir(self, text) -> str | None:
-        """`--workdir`, else /dev/shm when the bf16 checkpoint fits there with room to spare (no disk
-        write of 16 GB, and the engine loads from memory), else the system's temporary directory."""
+        """`--workdir`, else /dev/shm when the bf16 checkpoint and the quantized artifacts fit there
+        with room to spare (no disk write of 16 GB, and the engine loads from memory), else the
+        system's temporary directory."""
         if self.s.workdir is not None:
             return str(self.s.workdir)
         layer = 4 * text.hidden_size**2 * (1 + text.num_key_value_heads / text.num_attention_heads) / 2
         layer += 3 * text.hidden_size * text.intermediate_size
-        size = 2 * (text.num_hidden_layers * layer + 2 * text.vocab_size * text.hidden_size)  # bf16 bytes
+        linears, outer = text.num_hidden_layers * layer, 2 * text.vocab_size * text.hidden_size
+        size = 2 * (linears + outer)  # bf16 bytes
+        # The artifacts (embeddings and lm_head stay bf16): FP8 one byte a weight, NVFP4 4.5 bits.
+        # Each is removed after its phase unless --keep.
+        artifacts = [
+            bytes_
+            for phase, bytes_ in (("parity_fp8", linears + 2 * outer), ("parity_nvfp4", 0.5625 * linears + 2 * outer))
+            if phase in self.s.phases
+        ]
+        size += sum(artifacts) if self.s.keep else max(artifacts, default=0)
         shm = Path("/dev/shm")
         with contextlib.suppress(OSError):
             if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 1.25 * size + 2**32:
@@ -462,16 +524,19 @@ class GpuCheck:
         return None
 
     @torch.inference_mode()
-    def _hf_logits(self, token_ids: list[int]) -> torch.Tensor:
-        return self.hf(torch.tensor([token_ids], device=self.device)).logits[0].float()
+    def _hf_logits(self, token_ids: list[int], model=None) -> torch.Tensor:
+        model = self.hf if model is None else model
+        return model(torch.tensor([token_ids], device=self.device)).logits[0].float()
 
     @torch.inference_mode()
-    def _hf_greedy(self, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[list[int]]]:
-        """transformers' greedy continuation on two copies of the prompt (the engine runs every linear
-        on at least two rows; `onboard adapt` compares the same way) and the top-5 ids at each step."""
-        out = self.hf.generate(
-            torch.tensor([prompt, prompt], device=self.device),
-            attention_mask=torch.ones(2, len(prompt), dtype=torch.long, device=self.device),
+    def _hf_greedy(self, prompt: list[int], max_new_tokens: int, model=None) -> tuple[list[int], list[list[int]]]:
+        """transformers' greedy continuation of ONE copy of the prompt (batch 1), as a user runs it and
+        as `onboard adapt` compares (`_reference_greedy`): exact numerics run transformers' own ops on
+        the same rows, so a request alone computes what this computes; and the top-5 ids at each step."""
+        model = self.hf if model is None else model
+        out = model.generate(
+            torch.tensor([prompt], device=self.device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=self.device),
             max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens,
             do_sample=False,
@@ -482,23 +547,33 @@ class GpuCheck:
         tokens = out.sequences[0, len(prompt) :].tolist()
         return tokens, [step[0].float().topk(TOP).indices.tolist() for step in out.logits]
 
-    def parity(self, dtype: torch.dtype) -> None:
+    def parity_prompts(self) -> list[list[int]]:
+        """The random prompts every parity section uses (bf16, fp32 and both artifacts)."""
+        return random_prompts(self.s.parity_prompts, self.s.prompt_tokens, self.shape.vocab_size, self.s.seed + 1)
+
+    def token_parity(
+        self,
+        engine,
+        model,
+        prompts: list[list[int]],
+        dtype: torch.dtype,
+        on_forced: Callable[[list[int], torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> dict[str, Any]:
+        """The engine (exact numerics) against transformers' `model` on the same weights, one prompt
+        at a time: greedy continuations (near-tie rule at a divergence) and teacher-forced logits on
+        prompt + transformers' continuation.  `on_forced(forced, reference, engine)` sees each
+        prompt's teacher-forced logits (the distribution rule's statistics)."""
         from onboard.adapt.parity import compare_greedy
 
-        name = str(dtype).removeprefix("torch.")
-        self.report["parity"][name] = None
-        engine = self.engine("exact", dtype)  # frees the other engine first
-        self.hf_as(dtype)
-        prompts = random_prompts(self.s.parity_prompts, self.s.prompt_tokens, self.shape.vocab_size, self.s.seed + 1)
         params = greedy(self.s.parity_tokens, logprobs=TOP)
         max_diff, agree, positions, kl_sum, bitwise, cases = 0.0, 0, 0, 0.0, True, []
         for prompt in prompts:
             (mine,) = engine.generate([prompt], params)
-            theirs, their_top = self._hf_greedy(prompt, self.s.parity_tokens)
+            theirs, their_top = self._hf_greedy(prompt, self.s.parity_tokens, model)
             mine_top = [[token for token, _ in entry["top"]] for entry in mine.logprobs]
             verdict = compare_greedy(mine.token_ids, theirs, mine_top, their_top)
             forced = prompt + theirs
-            ref = self._hf_logits(forced)
+            ref = self._hf_logits(forced, model)
             got = engine.score(forced).float().to(ref.device)
             bitwise = bitwise and torch.equal(got, ref)
             max_diff = max(max_diff, float((got - ref).abs().max()))
@@ -506,6 +581,8 @@ class GpuCheck:
             positions += ref.shape[0]
             ref_lp, got_lp = ref.log_softmax(-1), got.log_softmax(-1)
             kl_sum += float((ref_lp.exp() * (ref_lp - got_lp)).sum(-1).clamp_min(0).sum())
+            if on_forced is not None:
+                on_forced(forced, ref, got)
             cases.append(
                 {
                     "matched": verdict.matched,
@@ -514,9 +591,12 @@ class GpuCheck:
                 }
             )
             del ref, got, ref_lp, got_lp
-        self.report["parity"][name] = {
+        greedy_match_rate = sum(c["matched"] for c in cases) / len(cases)
+        # Every logit and every greedy token transformers' own; else judged by the near-tie rule.
+        identical = bitwise and greedy_match_rate == 1.0
+        return {
             "numerics": "exact",
-            "dtype": name,
+            "dtype": str(dtype).removeprefix("torch."),
             "num_prompts": len(prompts),
             "prompt_tokens": self.s.prompt_tokens,
             "greedy_tokens": self.s.parity_tokens,
@@ -525,13 +605,219 @@ class GpuCheck:
             "top1_agreement": agree / positions,
             "mean_kld": kl_sum / positions,
             "num_positions": positions,
-            "greedy_match_rate": sum(c["matched"] for c in cases) / len(cases),
+            "greedy_match_rate": greedy_match_rate,
             "mean_matched_tokens": sum(
                 self.s.parity_tokens if c["first_divergence"] is None else c["first_divergence"] for c in cases
             )
             / len(cases),
             "divergences_all_near_ties": all(c["near_tie"] for c in cases),
+            "rule": "bitwise" if identical else "near_tie",
             "cases": cases,
+        }
+
+    def parity(self, dtype: torch.dtype) -> None:
+        name = str(dtype).removeprefix("torch.")
+        self.report["parity"][name] = None
+        engine = self.engine("exact", dtype)  # frees the other engine first
+        self.hf_as(dtype)
+        self.report["parity"][name] = self.token_parity(engine, self.hf, self.parity_prompts(), dtype)
+
+    # -- quantized artifacts -------------------------------------------------------------------------
+
+    def calibration_file(self) -> Path:
+        """Calibration DATA for the quantize stage: `calib_samples` records of `calib_tokens` random
+        words of the check's own vocabulary ("t17 t4021 ..."), which its word-level tokenizer reads
+        back as those ids.  The built-in calibration text would tokenize to "<unk>" (97 % of its tokens:
+        the toy vocabulary has no English), one activation pattern to calibrate NVFP4's scales on;
+        random ids are what every prompt of this check is made of."""
+        path = self.tmp / "calibration.jsonl"
+        if not path.exists():
+            rows = random_prompts(self.s.calib_samples, self.s.calib_tokens, self.shape.vocab_size, self.s.seed + 3)
+            path.write_text("".join(json.dumps({"text": " ".join(f"t{i}" for i in row)}) + "\n" for row in rows))
+        return path
+
+    def quantize(self, scheme: str) -> tuple[Path, dict[str, Any]]:
+        """The random model through onboard's own quantize stage (llmcompressor oneshot, the run
+        directory and manifest as `onboard quantize` writes them) under the temporary directory.
+        Its time includes the first import of llmcompressor."""
+        began = time.monotonic()
+        from onboard.models import inspect_checkpoint
+        from onboard.quantize.stage import run_quantize
+        from onboard.recipes import Calibration, Quantize
+        from onboard.workspace import RunDir
+
+        root = self.tmp / f"run-{scheme}"
+        settings = Quantize(
+            scheme=scheme,
+            calibration=Calibration(num_samples=self.s.calib_samples, max_seq_length=self.s.calib_tokens),
+        )
+        try:
+            with RunDir(root) as run:
+                entry = run_quantize(run, inspect_checkpoint(self.path), settings, self.calibration_file())
+        except BaseException:
+            if not self.s.keep:  # what a failed stage left (staging) would crowd the next artifact
+                shutil.rmtree(root, ignore_errors=True)
+            raise
+        finally:
+            with contextlib.suppress(ImportError):  # llmcompressor's session holds the model it quantized
+                from llmcompressor.core import reset_session
+
+                reset_session()
+            self.release()
+        if entry.get("status") != "done":
+            raise RuntimeError(f"quantize {scheme}: stage status {entry.get('status')!r}")
+        artifact = root / "artifact"
+        metrics = entry.get("metrics", {})
+        return artifact, {
+            "scheme": scheme,
+            "quantize_s": round(time.monotonic() - began, 2),
+            "calibration_samples": self.s.calib_samples,
+            "calibration_max_seq_length": self.s.calib_tokens,
+            "calibration_tokens": metrics.get("calibration_tokens"),
+            "effective_bits": metrics.get("effective_bits"),
+            "quantized_layers": metrics.get("quantized_layers"),
+            "artifact_bytes": metrics.get("bytes_artifact"),
+            "source_bytes": metrics.get("bytes_reference"),
+        }
+
+    def load_artifact(self, artifact: Path, loads: dict[str, float]) -> Any:
+        """transformers on the artifact as `onboard adapt` loads it (compressed-tensors, decompressed
+        in bf16, its offloading removed), on the device."""
+        from onboard.models import inspect_checkpoint, load_model
+
+        began = time.monotonic()
+        model = load_model(inspect_checkpoint(artifact), torch.bfloat16).to(self.device)
+        self.sync()
+        loads["transformers"] = round(time.monotonic() - began, 2)
+        return model
+
+    def artifact_engine(self, artifact: Path, numerics: str, loads: dict[str, float]):
+        from onboard.engine import LLMEngine
+
+        began = time.monotonic()
+        engine = LLMEngine(artifact, self.engine_config(numerics), dtype=torch.bfloat16)
+        self.sync()
+        loads[f"engine_{numerics}"] = round(time.monotonic() - began, 2)
+        return engine
+
+    def drop_artifact(self, artifact: Path) -> None:
+        if not self.s.keep:
+            shutil.rmtree(artifact.parent, ignore_errors=True)
+
+    def parity_fp8(self) -> None:
+        """FP8 W8A8 (FP8_DYNAMIC): the exact engine against transformers on the artifact, judged by
+        the token rules (`bitwise`, else `near_tie`) under the Gate's thresholds."""
+        from onboard.recipes import Gate
+
+        self.report["parity"]["fp8"] = None
+        self.free_engines()
+        self.hf_as(torch.bfloat16)
+        artifact, quantized = self.quantize("fp8")
+        try:
+            loads: dict[str, float] = {}
+            model = self.load_artifact(artifact, loads)
+            engine = self.artifact_engine(artifact, "exact", loads)
+            result = self.token_parity(engine, model, self.parity_prompts(), torch.bfloat16)
+            del engine, model
+        finally:
+            self.drop_artifact(artifact)
+        gate = Gate()
+        failures = []
+        if not result["max_abs_logit_diff"] <= gate.max_parity_logit_diff:  # a NaN fails too
+            failures.append(f"max |Δ logit| {result['max_abs_logit_diff']:.4f} > {gate.max_parity_logit_diff}")
+        if not result["top1_agreement"] >= gate.min_parity_top1_agreement:
+            failures.append(f"top-1 agreement {result['top1_agreement']:.4f} < {gate.min_parity_top1_agreement}")
+        if not result["divergences_all_near_ties"]:
+            failures.append("a greedy divergence that is not a near-tie")
+        self.report["parity"]["fp8"] = {
+            **result,
+            "checkpoint": "fp8 artifact",
+            "quantize": quantized,
+            "load_s": loads,
+            "thresholds": {
+                "max_parity_logit_diff": gate.max_parity_logit_diff,
+                "min_parity_top1_agreement": gate.min_parity_top1_agreement,
+            },
+            "passed": not failures,
+            "failures": failures,
+        }
+
+    def parity_nvfp4(self) -> None:
+        """NVFP4 W4A4: the token figures for information, judged by the layerwise-distribution rule:
+        KL(transformers‖engine) / KL(source‖transformers) and the damage difference for exact and fast
+        numerics (`onboard.adapt.distribution`, the source the bf16 random model), and every layer
+        and linear against its floor (`measure_layerwise`), under the Gate's thresholds."""
+        from onboard.adapt.distribution import DistributionParity
+        from onboard.adapt.layerwise import measure_layerwise
+        from onboard.recipes import Gate
+
+        self.report["parity"]["nvfp4"] = None
+        self.free_engines()
+        source = self.hf_as(torch.bfloat16)
+        artifact, quantized = self.quantize("nvfp4")
+        prompts = self.parity_prompts()
+        try:
+            loads: dict[str, float] = {}
+            model = self.load_artifact(artifact, loads)
+            engine = self.artifact_engine(artifact, "exact", loads)
+            fast = self.artifact_engine(artifact, "fast", loads)
+            distribution = DistributionParity()
+
+            def on_forced(forced: list[int], reference: torch.Tensor, exact: torch.Tensor, fast=fast) -> None:
+                mine = fast.score(forced).float().to(reference.device)
+                distribution.update(self._hf_logits(forced, source), reference, {"exact": exact, "fast": mine})
+
+            result = self.token_parity(engine, model, prompts, torch.bfloat16, on_forced)
+            del engine, fast, model, on_forced
+            self.release()
+            began = time.monotonic()
+            try:  # an error here still leaves the distribution figures in the report
+                layerwise = measure_layerwise(artifact, prompts, torch.bfloat16, str(self.device))
+                layerwise = {k: v for k, v in layerwise.items() if k not in ("dtype", "num_prompts")}
+            except Exception as err:
+                layerwise = {"error": _first_line(err), "traceback": traceback.format_exc()[-4000:]}
+            layerwise.update(elapsed_s=round(time.monotonic() - began, 2))
+        finally:
+            self.drop_artifact(artifact)
+        gate = Gate()
+        sides = {side: distribution.summary(side) for side in ("exact", "fast")}
+        worst = {key: _worst(sides[side][key] for side in sides) for key in ("kl_ratio", "damage_diff")}
+        checks = {
+            "kl_ratio": (worst["kl_ratio"], gate.max_parity_kl_ratio),
+            "damage_diff": (worst["damage_diff"], gate.max_parity_damage_diff),
+        }
+        if "error" not in layerwise:
+            checks["layer_ratio"] = (layerwise["max_floor_ratio"], gate.max_parity_layer_ratio)
+            checks["linear_ratio"] = (layerwise["max_linear_ratio"], gate.max_parity_linear_ratio)
+        failures = [f"{key} {value:.4f} > {limit}" for key, (value, limit) in checks.items() if not value <= limit]
+        if "error" in layerwise:
+            failures.append(f"layerwise parity did not complete ({layerwise['error']})")
+        elif layerwise["first_failing_layer"]:
+            failures.append(
+                f"first failing layer {layerwise['first_failing_layer']}"
+                + (f" ({layerwise['first_failing_module']})" if layerwise["first_failing_module"] else "")
+            )
+        self.report["parity"]["nvfp4"] = {
+            **result,
+            "checkpoint": "nvfp4 artifact",
+            # The token figures above are for information: 4-bit activations turn a last-bit kernel
+            # difference into other tokens, so the rule is the layerwise-distribution one.
+            "token_rule": result["rule"],
+            "rule": "layerwise_distribution",
+            "quantize": quantized,
+            "load_s": loads,
+            "distribution": sides,
+            "kl_ratio": worst["kl_ratio"],
+            "damage_diff": worst["damage_diff"],
+            "layerwise": layerwise,
+            "thresholds": {
+                "max_parity_kl_ratio": gate.max_parity_kl_ratio,
+                "max_parity_damage_diff": gate.max_parity_damage_diff,
+                "max_parity_layer_ratio": gate.max_parity_layer_ratio,
+                "max_parity_linear_ratio": gate.max_parity_linear_ratio,
+            },
+            "passed": not failures,
+            "failures": failures,
         }
 
     def spec(self, numerics: str) -> None:
@@ -654,6 +940,8 @@ class GpuCheck:
             self.phase("parity_bf16", lambda: self.parity(torch.bfloat16))
             self.phase("spec_exact", lambda: self.spec("exact"))
             self.phase("parity_fp32", lambda: self.parity(torch.float32))
+            self.phase("parity_fp8", self.parity_fp8)
+            self.phase("parity_nvfp4", self.parity_nvfp4)
             self.phase("throughput", self.throughput)
             self.phase("spec_fast", lambda: self.spec("fast"))
         finally:
@@ -665,8 +953,11 @@ class GpuCheck:
         reasons = self.verdict()
         self.report["passed"] = not reasons
         self.report["reason"] = "; ".join(reasons) if reasons else "all checks passed"
+        self.report["unchecked"] = self.unchecked()
         self.write()
         print_tables(self.report)
+        if self.report["unchecked"]:
+            print("not checked: " + "; ".join(self.report["unchecked"]), flush=True)
         print(("PASS: " if not reasons else "FAIL: ") + self.report["reason"], flush=True)
         return 0 if not reasons else 1
 
@@ -687,7 +978,33 @@ class GpuCheck:
                 reasons.append(
                     f"spec decoding (exact numerics) differs from plain greedy on {bad}/{exact['num_prompts']} prompts"
                 )
+        # The checks that hold when their phase ran: a phase that failed is a failure, one skipped
+        # (the deadline, --phases) is reported (`unchecked`).
+        for phase, key, label in CONDITIONAL:
+            row = self.report["parity"].get(key)
+            status = phases.get(phase, {}).get("status", "missing")
+            if not row:
+                if status in ("ok", "error"):
+                    error = phases[phase].get("error", "no result")
+                    reasons.append(f"{label} did not complete ({error})")
+            elif key == "bfloat16":
+                if row["rule"] != "bitwise":
+                    reasons.append(
+                        f"{label} is not bitwise (max |Δ logit| {row['max_abs_logit_diff']:.4g}, "
+                        f"greedy match {row['greedy_match_rate']:.2f})"
+                    )
+            elif not row["passed"]:
+                reasons.append(f"{label} fails the {row['rule']} rule: {'; '.join(row['failures'])}")
         return reasons
+
+    def unchecked(self) -> list[str]:
+        """The conditional checks whose phase did not run, and why."""
+        notes = []
+        for phase, key, label in CONDITIONAL:
+            status = self.report["phases"].get(phase, {}).get("status", "missing")
+            if not self.report["parity"].get(key) and status not in ("ok", "error"):
+                notes.append(f"{label} ({status})")
+        return notes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -735,21 +1052,84 @@ def print_tables(report: dict[str, Any]) -> None:
         )
     console.print(table)
 
-    table = Table(title="parity (engine exact numerics vs transformers, teacher-forced and greedy)")
-    for col in ("dtype", "max |Δ logit|", "bitwise", "top-1 agree", "mean KL", "greedy match", "matched tokens"):
-        table.add_column(col, justify="right")
-    for name, row in report["parity"].items():
+    table = Table(title="parity (engine exact numerics vs transformers, one prompt at a time; artifacts in bf16)")
+    for col in ("weights", "rule", "max |Δ logit|", "bitwise", "top-1", "mean KL", "greedy", "ties only", "matched"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for row in report["parity"].values():
         if row:
+            dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(row["dtype"], row["dtype"])
             table.add_row(
-                name,
+                row["checkpoint"].removesuffix(" artifact") if "checkpoint" in row else f"model {dtype}",
+                row["rule"],
                 _num(row["max_abs_logit_diff"]),
                 _num(row["bitwise_equal_logits"]),
                 _num(row["top1_agreement"]),
                 _num(row["mean_kld"]),
                 _num(row["greedy_match_rate"]),
+                _num(row["divergences_all_near_ties"]),
                 f"{row['mean_matched_tokens']:.1f}/{row['greedy_tokens']}",
             )
     console.print(table)
+
+    artifacts = {k: row for k, row in report["parity"].items() if row and "quantize" in row}
+    if artifacts:
+        table = Table(title="artifacts (the random model through onboard's quantize stage) and their rules")
+        for col in ("scheme", "quantize s", "bits/weight", "GiB", "calib tokens", "rule", "passed", "failures"):
+            table.add_column(col, justify="right")
+        for name, row in artifacts.items():
+            q = row["quantize"]
+            table.add_row(
+                name,
+                _num(q["quantize_s"], 1),
+                _num(q["effective_bits"], 2),
+                _num(q["artifact_bytes"] / 2**30, 3),
+                _num(q["calibration_tokens"]),
+                row["rule"],
+                _num(row["passed"]),
+                "; ".join(row["failures"]) or "-",
+            )
+        console.print(table)
+
+    nvfp4 = report["parity"].get("nvfp4")
+    if nvfp4:
+        limits, sides, layerwise = nvfp4["thresholds"], nvfp4["distribution"], nvfp4["layerwise"]
+        table = Table(title="nvfp4 W4A4: the layerwise-distribution rule (source: the bf16 model)")
+        for col in ("check", "exact", "fast", "limit"):
+            table.add_column(col, justify="right")
+        table.add_row(
+            "KL(transformers‖engine)",
+            _num(sides["exact"]["kl_transformers_engine"]),
+            _num(sides["fast"]["kl_transformers_engine"]),
+            "",
+        )
+        table.add_row("KL(source‖transformers)", _num(sides["exact"]["kl_source_transformers"]), "", "")
+        table.add_row(
+            "kl_ratio",
+            _num(sides["exact"]["kl_ratio"]),
+            _num(sides["fast"]["kl_ratio"]),
+            _num(limits["max_parity_kl_ratio"]),
+        )
+        table.add_row(
+            "damage_diff (± s.e.)",
+            f"{_num(sides['exact']['damage_diff'])} ± {_num(sides['exact']['damage_diff_se'])}",
+            f"{_num(sides['fast']['damage_diff'])} ± {_num(sides['fast']['damage_diff_se'])}",
+            _num(limits["max_parity_damage_diff"]),
+        )
+        table.add_row(
+            "layerwise: worst layer ÷ its floor",
+            _num(layerwise.get("max_floor_ratio")),
+            "",
+            _num(limits["max_parity_layer_ratio"]),
+        )
+        table.add_row(
+            "layerwise: worst linear ÷ its rounding step",
+            _num(layerwise.get("max_linear_ratio")),
+            "",
+            _num(limits["max_parity_linear_ratio"]),
+        )
+        if "error" in layerwise:
+            table.add_row("layerwise: error", layerwise["error"][:60], "", "")
+        console.print(table)
 
     table = Table(title="speculative decoding (random EAGLE-3 draft) vs plain greedy, bf16")
     for col in ("numerics", "k", "exact", "prompt match", "token match", "accept len"):
@@ -789,6 +1169,8 @@ WORKLOAD = (
     "spec_prompts",
     "spec_tokens",
     "spec_k",
+    "calib_samples",
+    "calib_tokens",
 )
 
 

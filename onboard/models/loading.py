@@ -9,6 +9,7 @@ from onboard.errors import OnboardError
 from onboard.models.checkpoint import Checkpoint, inspect_checkpoint
 from onboard.models.gguf import converted_gguf
 from onboard.models.moe_artifact import is_quantized_moe, load_quantized_moe
+from onboard.models.offload import drop_offload
 from onboard.models.tokens import fix_special_tokens
 
 
@@ -56,3 +57,4 @@ def _decompress(model: PreTrainedModel) -> None:
     config = getattr(quantizer, "quantization_config", None)
     if getattr(config, "is_quantization_compressed", False) and getattr(quantizer, "compressor", None):
         quantizer.compressor.decompress_model(model=model)
+        drop_offload(model)

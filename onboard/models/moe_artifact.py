@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from onboard.errors import OnboardError
+from onboard.models.offload import drop_offload
 
 
 def is_quantized_moe(config: dict) -> bool:
@@ -47,6 +48,7 @@ def load_quantized_moe(path: Path, dtype: torch.dtype, trust_remote_code: bool) 
     if stray:
         raise OnboardError(f"{path}: stored tensors do not match the linearized model (e.g. {stray[0]})")
     compressor.decompress_model(model)
+    drop_offload(model)
     quantize_expert_inputs_per_token(model)
     return model
 

@@ -148,6 +148,19 @@ def test_load_model_decompresses_so_the_decoder_runs_alone(artifact: Path, tiny_
     torch.testing.assert_close(hidden, full.hidden_states[-1], rtol=0, atol=0)
 
 
+def test_a_loaded_artifact_holds_plain_tensors_that_move_with_it(artifact: Path) -> None:
+    """compressed-tensors' decompression offloads every module (its tensors in a cache that copies
+    them back to the CPU on each access); `.to(device)` would then leave the model on the CPU."""
+    from compressed_tensors.offload.cache import OffloadCache
+
+    model = load_model(inspect_checkpoint(artifact))
+    assert not any(isinstance(m._parameters, OffloadCache) for m in model.modules())
+    weight = model.get_submodule("model.layers.0.self_attn.q_proj").weight
+    assert type(weight) is torch.nn.Parameter and weight.device.type == "cpu"
+    model.to("meta")  # a move reaches every tensor, as it would reach a GPU
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
 def test_load_model_returns_the_stored_weights_decoded(artifact: Path, tiny_llama: Path) -> None:
     model = load_model(inspect_checkpoint(artifact))
     stored = stored_tensors(artifact)
