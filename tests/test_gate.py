@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from parity_files import layer_entry
 
 from onboard.errors import OnboardError
 from onboard.gate import CHECKS, evaluate_gate, exit_code, gate_with_overrides, junit_xml, write_gate
@@ -62,20 +63,6 @@ PASSING: dict[str, dict[str, Any]] = {
 }
 
 
-def _layer(index: int, floor_ratio: float, linear_ratio: float, worst_linear: str) -> dict[str, Any]:
-    return {
-        "layer": f"model.layers.{index}",
-        "max_abs_diff": 0.0625,
-        "relative_diff": 0.004,
-        "error_rms": 0.002 * floor_ratio,
-        "floor_rms": 0.002,
-        "floor_ratio": floor_ratio,
-        "passed": True,
-        "linear_ratio": linear_ratio,
-        "worst_linear": f"model.layers.{index}.{worst_linear}",
-    }
-
-
 # An NVFP4 W4A4 run comfortably inside the default Gate(). Its token figures would fail the token
 # checks (a W4A4 run is not judged by them). Fast numerics have the worse KL ratio and exact the worse
 # damage difference, so a worst-of check reading only one side shows up as a wrong value; the
@@ -115,7 +102,7 @@ PASSING_W4A4: dict[str, dict[str, Any]] = {
         "layerwise": {
             "num_tokens": 512,
             "max_layer_ratio": 4.0,
-            "layers": [_layer(0, 1.1, 0.003, "self_attn.o_proj"), _layer(1, 1.6, 0.41, "mlp.down_proj")],
+            "layers": [layer_entry(0, 1.1, 0.003, "self_attn.o_proj"), layer_entry(1, 1.6, 0.41, "mlp.down_proj")],
             "head": {
                 "layer": "head",
                 "max_abs_diff": 0.125,

@@ -106,11 +106,7 @@ class ReferenceLayers:
         return module.to(self.device).eval()
 
     def _compressed(self, module: torch.nn.Module, index: int, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
-        from compressed_tensors.compressors import ModelCompressor
-        from compressed_tensors.quantization import apply_quantization_config
-
-        from onboard.models.moe_artifact import quantize_expert_inputs_per_token
-        from onboard.models.offload import drop_offload
+        from onboard.models.compressed import fill_compressed
 
         shell = torch.nn.Module()
         shell.config = self.config
@@ -120,24 +116,15 @@ class ReferenceLayers:
             from llmcompressor.modeling.moe.linearize import linearize_moe
 
             linearize_moe(shell)
+        prefix = f"model.layers.{index}."
         # The config's targets and ignores name every layer; only this one is here to match.
         matcher = logging.getLogger("compressed_tensors.utils.match")
         level = matcher.level
         matcher.setLevel(logging.ERROR)
         try:
-            apply_quantization_config(shell, self.quantization, run_compressed=False, show_progress=False)
+            fill_compressed(shell, self.quantization, {prefix + k: v for k, v in tensors.items()}, prefix[:-1])
         finally:
             matcher.setLevel(level)
-        compressor = ModelCompressor(quantization_config=self.quantization)
-        compressor.compress_model(shell)
-        prefix = f"model.layers.{index}."
-        result = shell.load_state_dict({prefix + k: v for k, v in tensors.items()}, strict=False)
-        stray = [k for k in result.missing_keys if "rotary" not in k] + list(result.unexpected_keys)
-        if stray:
-            raise OnboardError(f"layerwise parity: stored tensors do not match model.layers.{index} (e.g. {stray[0]})")
-        compressor.decompress_model(shell)
-        drop_offload(shell)
-        quantize_expert_inputs_per_token(shell)
         return shell.model.layers[str(index)]
 
     def norm(self) -> torch.nn.Module:

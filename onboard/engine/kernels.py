@@ -55,9 +55,6 @@ _TIMED_WEIGHTS = 8  # distinct weights of a shape cycled through per timing pass
 _REPEATS = 7
 _CACHE_VERSION = 1
 
-ONE_ROW = ("plain", "onednn", "onednn2", "pytorch")
-ROWS = ("plain", "onednn", "pytorch", "per_row")
-
 
 def onednn_packs(weight: torch.Tensor) -> bool:
     """Whether oneDNN can hold `weight` pre-reordered (a CPU bf16 matrix PyTorch would give it)."""

@@ -7,9 +7,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from onboard.errors import OnboardError
 from onboard.models.checkpoint import Checkpoint, inspect_checkpoint
+from onboard.models.compressed import drop_offload
 from onboard.models.gguf import converted_gguf
 from onboard.models.moe_artifact import is_quantized_moe, load_quantized_moe
-from onboard.models.offload import drop_offload
 from onboard.models.tokens import fix_special_tokens
 
 

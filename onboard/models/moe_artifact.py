@@ -16,9 +16,6 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from onboard.errors import OnboardError
-from onboard.models.offload import drop_offload
-
 
 def is_quantized_moe(config: dict) -> bool:
     experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
@@ -26,9 +23,10 @@ def is_quantized_moe(config: dict) -> bool:
 
 
 def load_quantized_moe(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> PreTrainedModel:
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization import QuantizationConfig
     from llmcompressor.modeling.moe.linearize import linearize_moe
+
+    from onboard.models.compressed import fill_compressed
 
     quantization = QuantizationConfig.model_validate(
         json.loads((path / "config.json").read_text())["quantization_config"]
@@ -37,19 +35,10 @@ def load_quantized_moe(path: Path, dtype: torch.dtype, trust_remote_code: bool) 
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     linearize_moe(model)
-    apply_quantization_config(model, quantization, run_compressed=False)
-    compressor = ModelCompressor(quantization_config=quantization)
-    compressor.compress_model(model)  # the packed parameter layout the stored tensors fill
     state = {}
     for file in sorted(path.glob("*.safetensors")):
         state.update(load_file(file))
-    result = model.load_state_dict(state, strict=False)
-    stray = [k for k in result.missing_keys if "rotary" not in k] + list(result.unexpected_keys)
-    if stray:
-        raise OnboardError(f"{path}: stored tensors do not match the linearized model (e.g. {stray[0]})")
-    compressor.decompress_model(model)
-    drop_offload(model)
-    quantize_expert_inputs_per_token(model)
+    fill_compressed(model, quantization, state, f"{path} (linearized)")
     return model
 
 

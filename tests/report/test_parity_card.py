@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from parity_files import layer_entry
 
 from onboard.report import write_report
 
@@ -69,20 +70,6 @@ def test_a_run_without_the_fast_block_shows_no_fast_table(full_run_dir: Path) ->
     assert "greedy match rate" in card and "<h3>Cases</h3>" in card  # the exact figures are still there
 
 
-def _layer(index: int, floor_ratio: float, linear_ratio: float, worst_linear: str) -> dict[str, Any]:
-    return {
-        "layer": f"model.layers.{index}",
-        "max_abs_diff": 0.0625,
-        "relative_diff": 0.004,
-        "error_rms": 0.002 * floor_ratio,
-        "floor_rms": 0.002,
-        "floor_ratio": floor_ratio,
-        "passed": floor_ratio <= 4 and linear_ratio <= 2,
-        "linear_ratio": linear_ratio,
-        "worst_linear": f"model.layers.{index}.{worst_linear}",
-    }
-
-
 def w4a4_parity() -> dict[str, Any]:
     """parity.json of an NVFP4 W4A4 artifact (rule `layerwise_distribution`), every rule passing;
     the worst layer by floor ratio (1) is not the one with the largest linear ratio (2)."""
@@ -107,11 +94,11 @@ def w4a4_parity() -> dict[str, Any]:
         "num_positions": 512,
     }
     layers = [
-        _layer(0, 1.1, 0.003, "self_attn.o_proj"),
-        _layer(1, 1.6, 0.05, "self_attn.q_proj"),
-        _layer(2, 1.2, 0.41, "mlp.down_proj"),
+        layer_entry(0, 1.1, 0.003, "self_attn.o_proj"),
+        layer_entry(1, 1.6, 0.05, "self_attn.q_proj"),
+        layer_entry(2, 1.2, 0.41, "mlp.down_proj"),
     ]
-    head = {k: v for k, v in _layer(3, 0.83, 0, "lm_head").items() if k not in ("linear_ratio", "worst_linear")}
+    head = {k: v for k, v in layer_entry(3, 0.83, 0, "lm_head").items() if k not in ("linear_ratio", "worst_linear")}
     data["layerwise"] = {
         "num_tokens": 512,
         "max_layer_ratio": 4.0,
@@ -133,7 +120,7 @@ def _card(run: Path, data: dict[str, Any]) -> str:
     return section(write_report(run).read_text(), "parity")
 
 
-def test_w4a4_card_shows_the_rule_both_distributions_and_the_worst_layer(full_run_dir: Path) -> None:
+def test_w4a4_card_shows_the_rule_both_distributions_and_the_worstlayer_entry(full_run_dir: Path) -> None:
     card = _card(full_run_dir, w4a4_parity())
     assert _kv(card)["parity rule"].startswith("layerwise_distribution (4-bit activations")
     assert "shown, not gated" in card
@@ -162,7 +149,7 @@ def test_failed_layerwise_names_the_first_failing_layer_and_module(full_run_dir:
     """A 5 % scaled o_proj in layer 2: its layer 4.6 times its floor, the linear 8.7 times its step."""
     data = w4a4_parity()
     layerwise = data["layerwise"]
-    layerwise["layers"][2] = _layer(2, 4.6, 8.7, "self_attn.o_proj")
+    layerwise["layers"][2] = layer_entry(2, 4.6, 8.7, "self_attn.o_proj")
     layerwise.update(
         max_floor_ratio=4.6,
         max_linear_ratio=8.7,
