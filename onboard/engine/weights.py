@@ -50,9 +50,9 @@ _SAFETENSORS_DTYPES = {
 
 
 class NotFusable(ValueError):
-    """The linears cannot be served as one matrix without changing the numbers: different formats,
-    different activation quantization (for NVFP4 W4A4: different input global scales), or bias on
-    some but not all. The caller keeps them separate."""
+    """The linears are not served as one matrix: different formats, activation quantization (a
+    fused product would round otherwise, and quantized inputs amplify that), bias on some but not
+    all, or fusing is off (exact numerics). The caller keeps them separate."""
 
 
 @dataclass(frozen=True)
@@ -155,11 +155,10 @@ class CheckpointWeights:
         if len(set(specs)) != 1:
             raise NotFusable(f"{prefixes}: formats differ ({', '.join(s.fmt for s in specs)})")
         spec = specs[0]
-        if spec.act == "nvfp4":
-            scales = [self.raw(f"{p}.input_global_scale") for p in prefixes]
-            if any(not torch.equal(s, scales[0]) for s in scales[1:]):
-                values = ", ".join(f"{float(s.reshape(-1)[0]):g}" for s in scales)
-                raise NotFusable(f"{prefixes}: NVFP4 input global scales differ ({values})")
+        if spec.act is not None:
+            # A fused product is another shape, whose kernel may round otherwise, and a linear that
+            # quantizes its input amplifies any rounding upstream (`kernels.py`): kept apart.
+            raise NotFusable(f"{prefixes}: they quantize their inputs ({spec.act})")
         biases = [self._bias(p) for p in prefixes]
         if any(b is None for b in biases) and any(b is not None for b in biases):
             raise NotFusable(f"{prefixes}: some have a bias and some do not")

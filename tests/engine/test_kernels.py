@@ -57,8 +57,10 @@ def test_a_pair_called_invariant_gives_a_row_the_same_bits_alone_and_batched() -
         assert torch.equal(kernels(x, None), torch.cat([kernels(x[i : i + 1], None) for i in range(8)]))
 
 
-def _measure(one_row: dict, rows: dict, invariant: list) -> ShapeMeasure:
-    return ShapeMeasure(one_row_us=one_row, rows_us=rows, invariant=invariant)
+def _measure(
+    one_row: dict, rows: dict, invariant: list, exact: tuple[list, list] = (["plain"], ["plain"])
+) -> ShapeMeasure:
+    return ShapeMeasure(one_row, rows, invariant, exact_one_row=exact[0], exact_rows=exact[1])
 
 
 def test_without_invariance_each_regime_takes_its_fastest_kernel() -> None:
@@ -72,6 +74,39 @@ def test_exact_kernel_is_kept_without_a_measured_gain() -> None:
     assert near.choose(batch_invariant=True) == KernelChoice("plain", "plain")
     faster = _measure({"plain": 30, "pytorch": 20}, {"plain": 100, "pytorch": 60}, [["pytorch", "pytorch"]])
     assert faster.choose(batch_invariant=False) == KernelChoice("pytorch", "pytorch")
+
+
+def test_a_linear_that_quantizes_its_input_keeps_exact_rounding() -> None:
+    """Only kernels that gave plain's bits on the probe, several rows (a prefill) first."""
+    one_row, rows = {"plain": 50, "pytorch": 20, "onednn": 30}, {"plain": 100, "pytorch": 900, "onednn": 60}
+    same_as_plain = (["plain", "onednn"], ["plain", "onednn"])
+    m = _measure(one_row, rows, [["onednn", "onednn"], ["pytorch", "pytorch"]], same_as_plain)
+    assert m.choose(False) == KernelChoice("pytorch", "onednn")  # any rounding, fastest
+    assert m.choose(False, exact_rounding=True) == KernelChoice("onednn", "onednn")
+    assert m.choose(True, exact_rounding=True) == KernelChoice("onednn", "onednn")
+    # oneDNN's one row rounds otherwise than its several (as exact's one row does): the prefill keeps
+    # exact's rounding, a lone row is padded to two
+    split = _measure(
+        {**one_row, "onednn2": 35},
+        rows,
+        [["pytorch", "pytorch"], ["onednn2", "onednn"]],
+        (["plain", "onednn"], ["plain", "onednn"]),
+    )
+    assert split.choose(True, exact_rounding=True) == KernelChoice("onednn2", "onednn")
+    # no invariant pair keeps the several-row rounding: then the one-row one, each row on its own
+    alone = _measure(one_row, rows, [["pytorch", "pytorch"]], (["plain"], ["plain", "onednn"]))
+    assert alone.choose(True, exact_rounding=True) == KernelChoice("plain", "per_row")
+
+
+def test_the_probe_finds_which_kernels_round_as_plain() -> None:
+    gen = torch.Generator().manual_seed(5)
+    weight = (torch.randn(96, 160, generator=gen) * 0.1).to(torch.bfloat16)
+    measured = measure_shape([weight], bias=False)
+    assert "plain" in measured.exact_one_row and "plain" in measured.exact_rows
+    x = torch.randn(5, 160, generator=gen).to(torch.bfloat16)
+    for kernel in measured.exact_rows:
+        bound = BoundKernels(weight, KernelChoice("plain", kernel))
+        assert torch.equal(bound.run(kernel, x, None), F.linear(x, weight)), kernel
 
 
 def test_with_invariance_only_measured_pairs_or_per_row() -> None:
