@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from parity_files import layer_entry
+from parity_files import EXACT_DISTRIBUTION, FAST_DISTRIBUTION, layer_entry, layerwise_block
 
 from onboard.errors import OnboardError
 from onboard.gate import CHECKS, evaluate_gate, exit_code, gate_with_overrides, junit_xml, write_gate
@@ -77,49 +77,11 @@ PASSING_W4A4: dict[str, dict[str, Any]] = {
         "greedy_match_rate": 0.25,
         "logprobs_close": False,
         "num_positions": 512,
-        "distribution": {
-            "kl_transformers_engine": 1e-4,
-            "kl_source_transformers": 0.05,
-            "kl_source_engine": 0.05105,
-            "kl_ratio": 0.002,
-            "damage_diff": 0.021,
-            "damage_diff_se": 0.011,
-            "num_positions": 512,
-        },
-        "fast": {
-            "logprobs_close": False,
-            "top1_agreement": 0.9,
-            "distribution": {
-                "kl_transformers_engine": 0.015,
-                "kl_source_transformers": 0.05,
-                "kl_source_engine": 0.0504,
-                "kl_ratio": 0.3,
-                "damage_diff": 0.008,
-                "damage_diff_se": 0.012,
-                "num_positions": 512,
-            },
-        },
-        "layerwise": {
-            "num_tokens": 512,
-            "max_layer_ratio": 4.0,
-            "layers": [layer_entry(0, 1.1, 0.003, "self_attn.o_proj"), layer_entry(1, 1.6, 0.41, "mlp.down_proj")],
-            "head": {
-                "layer": "head",
-                "max_abs_diff": 0.125,
-                "relative_diff": 0.006,
-                "error_rms": 0.01,
-                "floor_rms": 0.012,
-                "floor_ratio": 0.83,
-                "passed": True,
-            },
-            "max_abs_diff": 0.125,
-            "max_floor_ratio": 1.6,
-            "max_linear_ratio": 0.41,
-            "max_linear_ratio_allowed": 2.0,
-            "passed": True,
-            "first_failing_layer": None,
-            "first_failing_module": None,
-        },
+        "distribution": dict(EXACT_DISTRIBUTION),
+        "fast": {"logprobs_close": False, "top1_agreement": 0.9, "distribution": dict(FAST_DISTRIBUTION)},
+        "layerwise": layerwise_block(
+            [layer_entry(0, 1.1, 0.003, "self_attn.o_proj"), layer_entry(1, 1.6, 0.41, "mlp.down_proj")]
+        ),
     },
 }
 

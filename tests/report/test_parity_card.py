@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from parity_files import layer_entry
+from parity_files import EXACT_DISTRIBUTION, FAST_DISTRIBUTION, layer_entry, layerwise_block
 
 from onboard.report import write_report
 
@@ -75,43 +75,15 @@ def w4a4_parity() -> dict[str, Any]:
     the worst layer by floor ratio (1) is not the one with the largest linear ratio (2)."""
     data = parity()
     data["rule"] = "layerwise_distribution"
-    data["distribution"] = {
-        "kl_transformers_engine": 1e-4,
-        "kl_source_transformers": 0.05,
-        "kl_source_engine": 0.05105,
-        "kl_ratio": 0.002,
-        "damage_diff": 0.021,
-        "damage_diff_se": 0.011,
-        "num_positions": 512,
-    }
-    data["fast"]["distribution"] = {
-        "kl_transformers_engine": 0.015,
-        "kl_source_transformers": 0.05,
-        "kl_source_engine": 0.0504,
-        "kl_ratio": 0.3,
-        "damage_diff": 0.008,
-        "damage_diff_se": 0.012,
-        "num_positions": 512,
-    }
-    layers = [
-        layer_entry(0, 1.1, 0.003, "self_attn.o_proj"),
-        layer_entry(1, 1.6, 0.05, "self_attn.q_proj"),
-        layer_entry(2, 1.2, 0.41, "mlp.down_proj"),
-    ]
-    head = {k: v for k, v in layer_entry(3, 0.83, 0, "lm_head").items() if k not in ("linear_ratio", "worst_linear")}
-    data["layerwise"] = {
-        "num_tokens": 512,
-        "max_layer_ratio": 4.0,
-        "layers": layers,
-        "head": {**head, "layer": "head"},
-        "max_abs_diff": 0.0625,
-        "max_floor_ratio": 1.6,
-        "max_linear_ratio": 0.41,
-        "max_linear_ratio_allowed": 2.0,
-        "passed": True,
-        "first_failing_layer": None,
-        "first_failing_module": None,
-    }
+    data["distribution"] = dict(EXACT_DISTRIBUTION)
+    data["fast"]["distribution"] = dict(FAST_DISTRIBUTION)
+    data["layerwise"] = layerwise_block(
+        [
+            layer_entry(0, 1.1, 0.003, "self_attn.o_proj"),
+            layer_entry(1, 1.6, 0.05, "self_attn.q_proj"),
+            layer_entry(2, 1.2, 0.41, "mlp.down_proj"),
+        ]
+    )
     return data
 
 
