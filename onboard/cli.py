@@ -241,7 +241,7 @@ app.command("bench-kv")(bench_kv)
 @app.command()
 def demo(
     out: Annotated[Path, typer.Option(help="the run directory")] = Path("runs/demo"),
-    profile: Annotated[str, typer.Option(help="quick (about 6 minutes here) | full (about 40)")] = "quick",
+    profile: Annotated[str, typer.Option(help="quick (about 14 minutes here) | full (about 40)")] = "quick",
     junit: JunitOpt = None,
     fetch_only: Annotated[bool, typer.Option("--fetch-only", help="only fetch the model; print its path")] = False,
     device: DeviceOpt = "cpu",

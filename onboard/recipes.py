@@ -143,14 +143,16 @@ class Gate(_Strict):
     # Artifacts that quantize activations to 4 bits (parity.json rule `layerwise_distribution`)
     # replace the three parity checks above: each W4A4 linear re-quantizes its input, so a
     # last-bit kernel difference grows into other tokens and no token rule holds on another
-    # machine.  KL(transformers || engine) over KL(source || transformers), the worse numerics:
-    # on the uniform NVFP4 demo artifact fast numerics' kernels alone give 0.30 (exact 0), a 5 %
-    # scaled o_proj in one layer 0.58-0.63.
-    max_parity_kl_ratio: float = Field(0.5, ge=0)
+    # machine.  KL(transformers || engine) over transformers' own floor, KL(transformers ||
+    # transformers on inputs moved by one ulp), the worse numerics: on the demo's mixed artifact
+    # under ONEDNN_MAX_CPU_ISA=AVX512_CORE, fast numerics' kernels give 0.91 (0.19 nats against a
+    # 0.21 floor) and transformers with oneDNN off 1.02; twice the floor is two such differences.
+    max_parity_kl_ratio: float = Field(2.0, ge=0)
     # |KL(source || engine) - KL(source || transformers)| over the latter: the damage served is the
-    # damage measured.  Measured there: fast numerics 2.1 % (standard error 1.1 %), the broken
-    # o_proj 3.9-9.9 % (1.9 %).
-    max_parity_damage_diff: float = Field(0.05, ge=0)
+    # damage measured.  Measured there: a kernel difference moves it by 1.1-7.4 % (fast numerics
+    # 7.4 %, standard error 1.9 %; transformers with oneDNN off 1.1 %), a 5 % scaled o_proj in one
+    # layer by 17 % (2.5 %).
+    max_parity_damage_diff: float = Field(0.10, ge=0)
     # Each decoder layer's RMS error on transformers' own input, over its floor (the output's move
     # when the input rounds the other way in the last bit; adapt/layerwise.py).
     max_parity_layer_ratio: float = Field(4.0, ge=0)

@@ -24,9 +24,11 @@ def layer_entry(index: int, floor_ratio: float, linear_ratio: float, worst_linea
 def distribution(
     kl_transformers_engine: float, kl_source_engine: float, kl_ratio: float, damage_diff: float, damage_diff_se: float
 ) -> dict[str, Any]:
-    """A `distribution` block against a source 0.05 nats away from transformers, 512 positions."""
+    """A `distribution` block against a source 0.05 nats away from transformers and a one-ulp floor
+    0.05 nats away, 512 positions."""
     return {
         "kl_transformers_engine": kl_transformers_engine,
+        "kl_transformers_floor": 0.05,
         "kl_source_transformers": 0.05,
         "kl_source_engine": kl_source_engine,
         "kl_ratio": kl_ratio,

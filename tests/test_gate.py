@@ -844,7 +844,7 @@ def test_cli_failing_run_exits_1(tmp_path):
 
 def test_cli_failing_w4a4_run_exits_1(tmp_path):
     metrics = passing_metrics("layerwise_distribution")
-    metrics["adapt"]["fast"]["distribution"]["damage_diff"] = 0.099
+    metrics["adapt"]["fast"]["distribution"]["damage_diff"] = 0.12
     run = make_run(tmp_path / "run", metrics)
     proc = run_cli(run)
     assert proc.returncode == 1, proc.stderr
@@ -852,7 +852,7 @@ def test_cli_failing_w4a4_run_exits_1(tmp_path):
     written = json.loads((run / "gate.json").read_text())
     assert written["parity_rule"] == "layerwise_distribution"
     assert failed_names(written) == {"parity_damage_diff"}
-    assert by_name(written)["parity_damage_diff"]["value"] == 0.099
+    assert by_name(written)["parity_damage_diff"]["value"] == 0.12
 
 
 def test_cli_incomplete_run_exits_2(tmp_path):

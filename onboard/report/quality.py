@@ -136,8 +136,12 @@ def distribution_view(parity: dict[str, Any]) -> list[tuple[str, str, str]] | No
         return f"{shown} ± {pct(se, 2)}" if is_num(se) else shown
 
     rows = [
-        ("KL(transformers‖engine) ÷ KL(source‖transformers)", lambda b: num(b.get("kl_ratio"))),
+        ("KL(transformers‖engine) ÷ the one-ulp floor", lambda b: num(b.get("kl_ratio"))),
         ("KL(transformers‖engine)", lambda b: num(b.get("kl_transformers_engine"))),
+        (
+            "KL(transformers‖transformers, inputs moved one ulp): the floor",
+            lambda b: num(b.get("kl_transformers_floor")),
+        ),
         ("KL(source‖transformers): the damage transformers measures", lambda b: num(b.get("kl_source_transformers"))),
         ("KL(source‖engine): the damage the engine serves", lambda b: num(b.get("kl_source_engine"))),
         ("damage difference (± standard error)", damage),

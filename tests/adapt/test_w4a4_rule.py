@@ -73,6 +73,7 @@ def test_exact_numerics_pass_with_nothing_to_see(w4a4: Path, tiny_llama: Path) -
     exact = result["distribution"]
     assert exact["kl_transformers_engine"] == 0.0 and exact["kl_ratio"] == 0.0 and exact["damage_diff"] == 0.0
     assert exact["kl_source_transformers"] > 0  # the artifact is quantized: the source is elsewhere
+    assert exact["kl_transformers_floor"] > 0  # a last-bit move of the inputs moves transformers too
     assert set(result["fast"]["distribution"]) == set(exact)
     layerwise = result["layerwise"]
     assert layerwise["passed"] and layerwise["max_floor_ratio"] == 0.0 and layerwise["max_linear_ratio"] == 0.0

@@ -98,8 +98,9 @@ def test_w4a4_card_shows_the_rule_both_distributions_and_the_worstlayer_entry(fu
     assert "shown, not gated" in card
     assert _table_rows(card, DISTRIBUTION_TITLE) == [
         ["measure", "exact", "fast"],
-        ["KL(transformers‖engine) ÷ KL(source‖transformers)", "0.00200", "0.300"],
+        ["KL(transformers‖engine) ÷ the one-ulp floor", "0.00200", "0.300"],
         ["KL(transformers‖engine)", "1.00e-04", "0.0150"],
+        ["KL(transformers‖transformers, inputs moved one ulp): the floor", "0.0500", "0.0500"],
         ["KL(source‖transformers): the damage transformers measures", "0.0500", "0.0500"],
         ["KL(source‖engine): the damage the engine serves", "0.0510", "0.0504"],
         ["damage difference (± standard error)", "2.10% ± 1.10%", "0.80% ± 1.20%"],
@@ -188,8 +189,8 @@ def test_one_numerics_distribution_and_odd_values_render_as_dashes(full_run_dir:
     data["layerwise"] = {"layers": ["junk", {"layer": "model.layers.0", "floor_ratio": "high"}], "passed": None}
     card = _card(full_run_dir, data)
     rows = _table_rows(card, DISTRIBUTION_TITLE)
-    assert rows[1] == ["KL(transformers‖engine) ÷ KL(source‖transformers)", "—", "—"]
-    assert rows[5] == ["damage difference (± standard error)", "2.10%", "—"]
+    assert rows[1] == ["KL(transformers‖engine) ÷ the one-ulp floor", "—", "—"]
+    assert rows[6] == ["damage difference (± standard error)", "2.10%", "—"]
     layer_rows = dict(map(tuple, _table_rows(card, LAYERWISE_TITLE)))
     assert layer_rows["worst layer"] == "—"
     assert layer_rows["first failing layer"] == "—"
