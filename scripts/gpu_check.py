@@ -747,7 +747,7 @@ class GpuCheck:
         KL(transformers‖engine) / KL(source‖transformers) and the damage difference for exact and fast
         numerics (`onboard.adapt.distribution`, the source the bf16 random model), and every layer
         and linear against its floor (`measure_layerwise`), under the Gate's thresholds."""
-        from onboard.adapt.distribution import DistributionParity
+        from onboard.adapt.distribution import DistributionParity, moved_input_logits
         from onboard.adapt.layerwise import measure_layerwise
         from onboard.recipes import Gate
 
@@ -761,11 +761,15 @@ class GpuCheck:
             model = self.load_artifact(artifact, loads)
             engine = self.artifact_engine(artifact, "exact", loads)
             fast = self.artifact_engine(artifact, "fast", loads)
-            distribution = DistributionParity()
+            distribution, last_bits = DistributionParity(), torch.Generator().manual_seed(0)
 
-            def on_forced(forced: list[int], reference: torch.Tensor, exact: torch.Tensor, fast=fast) -> None:
+            def on_forced(
+                forced: list[int], reference: torch.Tensor, exact: torch.Tensor, fast=fast, model=model
+            ) -> None:
                 mine = fast.score(forced).float().to(reference.device)
-                distribution.update(self._hf_logits(forced, source), reference, {"exact": exact, "fast": mine})
+                ids = torch.tensor([forced], device=self.device)
+                moved = moved_input_logits(model, ids, last_bits).to(reference.device)
+                distribution.update(self._hf_logits(forced, source), reference, moved, {"exact": exact, "fast": mine})
 
             result = self.token_parity(engine, model, prompts, torch.bfloat16, on_forced)
             del engine, fast, model, on_forced

@@ -43,6 +43,14 @@ def moved_by_one_ulp(values: torch.Tensor, generator: torch.Generator) -> torch.
     return torch.where(step > 0, up, torch.where(step < 0, down, values))
 
 
+@torch.inference_mode()
+def moved_input_logits(model: torch.nn.Module, input_ids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The floor's side: a transformers model's `[T, V]` logits for one `[1, T]` sequence whose input
+    embeddings are moved by one ulp (`moved_by_one_ulp`)."""
+    inputs = model.get_input_embeddings()(input_ids)
+    return model(inputs_embeds=moved_by_one_ulp(inputs, generator)).logits[0].float()
+
+
 def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     """Per-position KL(p || q) in float64 over `[T, V]` logits."""
     p = p_logits.double().log_softmax(-1)

@@ -107,7 +107,7 @@ def measure_parity(
     an artifact that quantizes activations to 4 bits, `layerwise_distribution`: the layerwise
     rule (`layerwise.py`) and the distribution rule against `source`, the unquantized model
     (`distribution.py`), for both numerics."""
-    from onboard.adapt.distribution import DistributionParity, moved_by_one_ulp, quantizes_activations_to_4_bits
+    from onboard.adapt.distribution import DistributionParity, moved_input_logits, quantizes_activations_to_4_bits
     from onboard.adapt.dsa import compare_selections
     from onboard.engine import SamplingParams
 
@@ -147,8 +147,7 @@ def measure_parity(
             if source_model is not None:
                 with torch.inference_mode():
                     source_logits = source_model(torch.tensor([forced], device=device)).logits[0].float().cpu()
-                    inputs = reference.get_input_embeddings()(torch.tensor([forced], device=device))
-                    moved = reference(inputs_embeds=moved_by_one_ulp(inputs, last_bits)).logits[0].float().cpu()
+                moved = moved_input_logits(reference, torch.tensor([forced], device=device), last_bits).cpu()
                 sides = {"exact": engine_logits, "fast": fast.score(forced).cpu()}
                 distribution.update(source_logits, ref_logits, moved, sides)
             if trace:
