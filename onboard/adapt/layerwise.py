@@ -98,7 +98,9 @@ class _Error:
 
     def add(self, mine: torch.Tensor, theirs: torch.Tensor, moved: torch.Tensor | None = None) -> None:
         """The floor: the output's own rounding step and, given `moved` (transformers' output on the
-        perturbed input), how far that moved it."""
+        perturbed input), how far that moved it.  A routed expert no token chose adds nothing."""
+        if theirs.numel() == 0:
+            return
         floor = ulp(theirs).double().square()
         if moved is not None:
             floor += (moved.double() - theirs.double()).square()
