@@ -34,21 +34,14 @@ def quantizes_activations_to_4_bits(config: dict[str, Any]) -> bool:
     return any((group.get("input_activations") or {}).get("num_bits") == 4 for group in groups.values())
 
 
-def moved_by_one_ulp(values: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """`values` with each element moved to its neighbour in its dtype, up, down or not at all, at
-    random: a last-bit difference like any other kernel's."""
-    step = torch.randint(-1, 2, values.shape, generator=generator).to(values.device)
-    up = torch.nextafter(values, torch.full_like(values, float("inf")))
-    down = torch.nextafter(values, torch.full_like(values, float("-inf")))
-    return torch.where(step > 0, up, torch.where(step < 0, down, values))
-
-
 @torch.inference_mode()
 def moved_input_logits(model: torch.nn.Module, input_ids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """The floor's side: a transformers model's `[T, V]` logits for one `[1, T]` sequence whose input
-    embeddings are moved by one ulp (`moved_by_one_ulp`)."""
+    embeddings are moved by one ulp, as the layerwise rule moves each layer's input."""
+    from onboard.adapt.layerwise import last_bit_perturbed
+
     inputs = model.get_input_embeddings()(input_ids)
-    return model(inputs_embeds=moved_by_one_ulp(inputs, generator)).logits[0].float()
+    return model(inputs_embeds=last_bit_perturbed(inputs, generator)).logits[0].float()
 
 
 def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
@@ -70,7 +63,7 @@ class DistributionParity:
         self, source: torch.Tensor, reference: torch.Tensor, moved: torch.Tensor, engines: dict[str, torch.Tensor]
     ) -> None:
         """One prompt's `[T, V]` logits on the same positions: the source model's, transformers' on
-        the artifact, transformers' on inputs moved by one ulp (`moved_by_one_ulp`), and each
+        the artifact, transformers' on inputs moved by one ulp (`moved_input_logits`), and each
         engine side's."""
         self.damage.append(_kl(source, reference))
         self.floor.append(_kl(reference, moved))
