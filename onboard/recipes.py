@@ -145,7 +145,7 @@ class Gate(_Strict):
     # last-bit kernel difference grows into other tokens and no token rule holds on another
     # machine.  KL(transformers || engine) over transformers' own floor, KL(transformers ||
     # transformers on inputs moved by one ulp), the worse numerics: on the demo's mixed artifact
-    # under ONEDNN_MAX_CPU_ISA=AVX512_CORE, fast numerics' kernels give 0.91 (0.19 nats against a
+    # under ONEDNN_MAX_CPU_ISA=AVX512_CORE, fast numerics' kernels give 0.90 (0.19 nats against a
     # 0.21 floor) and transformers with oneDNN off 1.02; twice the floor is two such differences.
     max_parity_kl_ratio: float = Field(2.0, ge=0)
     # |KL(source || engine) - KL(source || transformers)| over the latter: the damage served is the
