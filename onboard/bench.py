@@ -149,7 +149,7 @@ def run_bench(checkpoint: Checkpoint, data: Path | None, device: str = "cpu", gg
         result |= _sweep(side, side.replace("_", " "), timer, prompts)
         bytes_per_step[side] = engine.weight_bytes_per_decode_step()
         if numerics == "fast":
-            result.setdefault("kernels", {})[side] = engine.runner.kernel_report
+            result.setdefault("kernels", {})[side] = engine.kernel_report
         if side == "engine_fast":
             result |= _prefix_ttft(engine, tokenizer, prompts)
             result["kv_bytes_per_token"] = engine.kv_layout.bytes_per_token()

@@ -1,6 +1,6 @@
 """`onboard bench-kv`, part two: a decode step's time against the context, DSA beside dense MLA.
 
-A small random deepseek_v32 model (`BENCH_MODEL`) runs in the engine's `ModelRunner`.  Nothing is
+A small random deepseek_v32 model (`BENCH_MODEL`) runs in the engine's `StepBench`.  Nothing is
 prefilled at length: each sequence gets L tokens' worth of paged blocks, every cached tensor is
 filled with noise of the per-column mean and spread a short real prefill writes, and decode steps
 run at context L.  The same model with its indexers detached is dense MLA.  The indexer's `select`
@@ -9,7 +9,6 @@ are timed by wrapping them, which also counts the keys each decode row attends. 
 interleaved within each repetition, so the machine's drift hits them alike.
 """
 
-import dataclasses
 import statistics
 import tempfile
 import time
@@ -75,12 +74,16 @@ def _expanded_keys(q, selected, ctx) -> list[int]:
     return [len(s) for s in selected] if selected is not None else list(ctx.attn.decode_context_lens)
 
 
-def instrument(runner, probe: Probe) -> None:
+def _attentions(bench) -> list:
+    return [bench.decoder_layer(i).self_attn for i in range(bench.num_decoder_layers)]
+
+
+def instrument(bench, probe: Probe) -> None:
     """Wrap every indexer's `select`, the backend's `decode` and each layer's expanded decode."""
-    sync = _sync_for(runner.device)
-    runner.backend.decode = _timed(runner.backend.decode, probe, "attention", sync, _backend_keys)
-    for layer in runner.model.layers:
-        attn = layer.self_attn
+    sync = _sync_for(bench.device)
+    backend = bench.attention_backend
+    backend.decode = _timed(backend.decode, probe, "attention", sync, _backend_keys)
+    for attn in _attentions(bench):
         attn._decode_expanded = _timed(attn._decode_expanded, probe, "attention", sync, _expanded_keys)
         if attn.indexer is not None:
             attn.indexer.select = _timed(attn.indexer.select, probe, "indexer", sync)
@@ -89,20 +92,18 @@ def instrument(runner, probe: Probe) -> None:
 class Switch:
     """Turns the model's DSA on and off (dense MLA: no indexer, no shared selection) and sets the
     numerics: `exact`, `fast` (as served: in bf16 the expanded decode) or `absorbed` (fast
-    numerics with the weight-absorbed decode, what keeping the expanded form costs)."""
+    numerics with the weight-absorbed decode, what keeping the expanded form costs); `set`
+    returns the engine numerics the step runs as."""
 
-    def __init__(self, runner):
-        self.runner = runner
-        attns = [layer.self_attn for layer in runner.model.layers]
-        self.saved = [(attn, attn.indexer, attn.shares_selection, attn.absorb) for attn in attns]
+    def __init__(self, bench):
+        self.saved = [(attn, attn.indexer, attn.shares_selection, attn.absorb) for attn in _attentions(bench)]
 
-    def set(self, variant: str, numerics: str) -> None:
-        engine_numerics = "exact" if numerics == "exact" else "fast"
-        self.runner.config = dataclasses.replace(self.runner.config, numerics=engine_numerics)
+    def set(self, variant: str, numerics: str) -> str:
         for attn, indexer, shares, absorb in self.saved:
             attn.indexer = indexer if variant == "dsa" else None
             attn.shares_selection = shares if variant == "dsa" else False
             attn.set_absorbed(absorb or numerics == "absorbed")
+        return "exact" if numerics == "exact" else "fast"
 
 
 def build_model(directory: Path, index_topk: int, seed: int = 0) -> Path:
@@ -114,43 +115,33 @@ def build_model(directory: Path, index_topk: int, seed: int = 0) -> Path:
     return directory
 
 
-def _sequence(length: int, first_block: int, gen: torch.Generator, computed: int):
-    from onboard.engine.sequence import Sequence
-
-    seq = Sequence(torch.randint(3, BENCH_MODEL["vocab_size"], (length,), generator=gen).tolist(), BLOCK_SIZE)
-    seq.block_table = list(range(first_block, first_block + -(-length // BLOCK_SIZE)))
-    seq.num_computed_tokens = computed
-    return seq
+def _tokens(length: int, gen: torch.Generator) -> list[int]:
+    return torch.randint(3, BENCH_MODEL["vocab_size"], (length,), generator=gen).tolist()
 
 
 @torch.no_grad()
-def fill_cache(runner, gen: torch.Generator) -> None:
+def fill_cache(bench, gen: torch.Generator) -> None:
     """Every slot of every cached tensor: noise with the per-column mean and std of a real prefill's rows."""
-    from onboard.engine.scheduler import ScheduledSeq
-
-    runner.run([ScheduledSeq(_sequence(CALIBRATION_TOKENS, 0, gen, 0), CALIBRATION_TOKENS)])
-    for data in runner.cache.storage.values():
-        for layer in data:  # [num_blocks, block_size, *shape]
-            flat = layer.view(-1, *layer.shape[2:])
-            rows = flat[:CALIBRATION_TOKENS].float()
-            mean, std = rows.mean(0), rows.std(0)
-            noise = torch.randn(flat.shape, generator=gen).to(flat.device)
-            flat.copy_((mean + std * noise).to(flat.dtype))
+    bench.run([bench.place(_tokens(CALIBRATION_TOKENS, gen), 0, 0)])
+    for layer in bench.cache_tensors():  # [num_blocks, block_size, *shape]
+        flat = layer.view(-1, *layer.shape[2:])
+        rows = flat[:CALIBRATION_TOKENS].float()
+        mean, std = rows.mean(0), rows.std(0)
+        noise = torch.randn(flat.shape, generator=gen).to(flat.device)
+        flat.copy_((mean + std * noise).to(flat.dtype))
 
 
-def decode_batch(context: int, batch: int, blocks_per_seq: int, gen: torch.Generator) -> list:
+def decode_batch(bench, context: int, batch: int, blocks_per_seq: int, gen: torch.Generator) -> list:
     """`batch` sequences at context `context` (the last token's KV not yet computed), one block range each."""
-    from onboard.engine.scheduler import ScheduledSeq
-
-    return [ScheduledSeq(_sequence(context, i * blocks_per_seq, gen, context - 1), 1) for i in range(batch)]
+    return [bench.place(_tokens(context, gen), i * blocks_per_seq, context - 1) for i in range(batch)]
 
 
-def _step(runner, scheduled: list, probe: Probe) -> dict[str, Any]:
-    sync = _sync_for(runner.device)
+def _step(bench, scheduled: list, numerics: str, probe: Probe) -> dict[str, Any]:
+    sync = _sync_for(bench.device)
     probe.reset()
     sync()
     start = time.perf_counter()
-    runner.run(scheduled)
+    bench.run(scheduled, numerics)
     sync()
     return {"step": time.perf_counter() - start, **probe.seconds, "keys": probe.keys}
 
@@ -207,21 +198,20 @@ class Plan:
         return -(-max(*self.contexts, CALIBRATION_TOKENS) // BLOCK_SIZE)
 
 
-def _measure(runner, plan: Plan, gen: torch.Generator) -> dict[tuple, list[dict]]:
+def _measure(bench, plan: Plan, gen: torch.Generator) -> dict[tuple, list[dict]]:
     """Every variant's steps at every (context, batch), interleaved; per point the timed samples."""
-    probe, switch = Probe(), Switch(runner)
-    instrument(runner, probe)
+    probe, switch = Probe(), Switch(bench)
+    instrument(bench, probe)
     variants = [(n, v) for n in plan.numerics for v in VARIANTS]
     samples: dict[tuple, list[dict]] = {}
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("bench-kv: decode steps", total=len(plan.contexts) * len(plan.batches) * plan.rounds)
         for context in plan.contexts:
             for batch in plan.batches:
-                scheduled = decode_batch(context, batch, plan.blocks_per_seq, gen)
+                scheduled = decode_batch(bench, context, batch, plan.blocks_per_seq, gen)
                 for rep in range(plan.rounds):
                     for n, v in variants if rep % 2 == 0 else variants[::-1]:
-                        switch.set(v, n)
-                        result = _step(runner, scheduled, probe)
+                        result = _step(bench, scheduled, switch.set(v, n), probe)
                         if rep >= plan.warmup:
                             samples.setdefault((context, batch, n, v), []).append(result)
                     progress.advance(task)
@@ -231,16 +221,15 @@ def _measure(runner, plan: Plan, gen: torch.Generator) -> dict[tuple, list[dict]
 def run_decode_bench(
     contexts: list[int], batches: list[int], numerics: list[str], repeats: int, index_topk: int, device: str = "cpu"
 ) -> dict[str, Any]:
-    from onboard.engine.config import EngineConfig
-    from onboard.engine.model_runner import ModelRunner
+    from onboard.engine import EngineConfig, StepBench
 
     gen = torch.Generator().manual_seed(0)
     plan = Plan(contexts, batches, numerics, repeats)
     settings = EngineConfig(device=device, block_size=BLOCK_SIZE, num_blocks=max(batches) * plan.blocks_per_seq)
     with tempfile.TemporaryDirectory(prefix="onboard-bench-kv-") as tmp:
-        runner = ModelRunner(build_model(Path(tmp), index_topk), settings, dtype=torch.bfloat16)
-        fill_cache(runner, gen)
-        samples = _measure(runner, plan, gen)
+        bench = StepBench(build_model(Path(tmp), index_topk), settings, dtype=torch.bfloat16)
+        fill_cache(bench, gen)
+        samples = _measure(bench, plan, gen)
     points = [_point(*key, runs) for key, runs in samples.items()]
     return {
         "model": {k: v for k, v in BENCH_MODEL.items() if k != "architectures"} | {"index_topk": index_topk},

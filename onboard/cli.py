@@ -18,6 +18,7 @@ from onboard.cli_options import (
     DeviceOpt,
     EndpointOpt,
     JunitOpt,
+    MaxMemoryOpt,
     MaxTokOpt,
     NumericsOpt,
     PickleOpt,
@@ -33,6 +34,7 @@ from onboard.cli_options import (
     check_numerics,
     endpoint_spec,
     existing_data,
+    memory_budget,
 )
 from onboard.cli_quant import bench_quant
 from onboard.cli_release import gate, report, smoke
@@ -64,9 +66,11 @@ def quantize(
     max_seq_length: SeqLenOpt = None,
     allow_pickle: PickleOpt = False,
     trust_remote_code: RemoteOpt = False,
+    max_memory: MaxMemoryOpt = None,
 ) -> None:
     """Quantize MODEL with llmcompressor into RUN_DIR/artifact (compressed-tensors); `--scheme auto`
-    chooses each group's format under `--bits-budget` by measured end-to-end KL."""
+    chooses each group's format under `--bits-budget` by measured end-to-end KL. Over --max-memory,
+    llm-compressor loads the model offloaded and calibrates one decoder layer at a time."""
     overrides = {
         "--scheme": ("quantize.scheme", scheme),
         "--bits-budget": ("quantize.bits_budget", bits_budget),
@@ -77,7 +81,18 @@ def quantize(
         "--num-samples": ("quantize.calibration.num_samples", num_samples),
         "--max-seq-length": ("quantize.calibration.max_seq_length", max_seq_length),
     }
-    run_pipeline(model, out, ["quantize"], recipe, overrides, calib, None, allow_pickle, trust_remote_code)
+    run_pipeline(
+        model,
+        out,
+        ["quantize"],
+        recipe,
+        overrides,
+        calib,
+        None,
+        allow_pickle,
+        trust_remote_code,
+        max_memory=memory_budget(max_memory),
+    )
 
 
 @app.command("eval")
@@ -93,10 +108,13 @@ def evaluate(
     top_logprobs: Annotated[
         int, typer.Option(help="with --endpoint: log-probabilities per position (-1: the whole vocabulary)")
     ] = 20,
+    max_memory: MaxMemoryOpt = None,
 ) -> None:
     """KL divergence of the artifact's next-token distributions against the original model; with
     --endpoint, of the model that server serves (top-k log-probabilities plus a rest bucket: a lower
-    bound of the KL, exact with --top-logprobs -1), into RUN_DIR/endpoints/NAME/eval/kl.json."""
+    bound of the KL, exact with --top-logprobs -1), into RUN_DIR/endpoints/NAME/eval/kl.json. Over
+    --max-memory, in two streamed passes (the reference's final hidden states cached, then the
+    artifact), one decoder layer resident at a time."""
     from onboard.evaluate.stage import run_eval
     from onboard.recipes import with_overrides
     from onboard.workspace import MANIFEST, RunDir
@@ -107,14 +125,14 @@ def evaluate(
     )
     if not (run_dir / MANIFEST).is_file():
         raise OnboardError(f"{run_dir} is not a run directory (no {MANIFEST}); run `onboard quantize` first")
-    data = existing_data(data)
+    data, budget = existing_data(data), memory_budget(max_memory)
     spec = endpoint_spec(endpoint, served_model, api_key)
     if top_logprobs < 1 and top_logprobs != -1:
         raise OnboardError(f"--top-logprobs must be at least 1, or -1 for the whole vocabulary, not {top_logprobs}")
     with run:
         run.require("quantize")
         if spec is None:
-            run_eval(run, recipe.eval, data, out)
+            run_eval(run, recipe.eval, data, out, budget)
         else:
             from onboard.evaluate.endpoint import run_endpoint_eval
 
@@ -143,6 +161,7 @@ def speculator(
     ] = None,
     served_model: ServedModelOpt = None,
     api_key: ApiKeyOpt = None,
+    max_memory: MaxMemoryOpt = None,
 ) -> None:
     """Train an EAGLE-3 draft on the artifact's own responses and hidden states; export; measure.
     With --endpoint, only measure: the acceptance of the server's speculator on the held-out prompts
@@ -182,7 +201,9 @@ def speculator(
         raise OnboardError(f"--states-from {states_from}: not a checkpoint directory (no config.json)")
     with run:
         if spec is None:
-            run_speculator(run, recipe.speculator, data, states_from, device, check_numerics(numerics))
+            run_speculator(
+                run, recipe.speculator, data, states_from, device, check_numerics(numerics), memory_budget(max_memory)
+            )
         else:
             from onboard.speculator.endpoint import run_endpoint_speculator
 
@@ -205,13 +226,28 @@ def run(
     trust_remote_code: RemoteOpt = False,
     device: DeviceOpt = "cpu",
     numerics: NumericsOpt = "fast",
+    max_memory: MaxMemoryOpt = None,
+    endpoint: Annotated[
+        str | None, typer.Option(help="over --max-memory: the artifact served (smoke, speculator acceptance)")
+    ] = None,
+    served_model: ServedModelOpt = None,
+    reference_endpoint: Annotated[
+        str | None, typer.Option(help="over --max-memory: the unquantized reference served (smoke)")
+    ] = None,
+    reference_model: Annotated[str | None, typer.Option(help="with --reference-endpoint: its model id")] = None,
 ) -> None:
     """Every stage in order (quantize, eval, speculator, adapt, smoke, report, gate), resuming those
-    already finished with the same inputs; exits with the gate's code (0 pass, 1 fail)."""
+    already finished with the same inputs; exits with the gate's code (0 pass, 1 fail). First prints
+    each stage's memory plan under --max-memory: in memory, streamed one decoder layer at a time, or
+    through --endpoint / --reference-endpoint (or the recipe's `deployment`) for stages that generate."""
     overrides = {
         "--scheme": ("quantize.scheme", scheme),
         "--bits-budget": ("quantize.bits_budget", bits_budget),
         "--max-tokens": ("eval.max_tokens", max_tokens),
+        "--endpoint": ("deployment.endpoint", endpoint),
+        "--served-model": ("deployment.served_model", served_model),
+        "--reference-endpoint": ("deployment.reference_endpoint", reference_endpoint),
+        "--reference-model": ("deployment.reference_model", reference_model),
     }
     chosen = [s.strip() for s in stages.split(",") if s.strip()]
     device = check_device(device)
@@ -228,6 +264,7 @@ def run(
         junit,
         device,
         check_numerics(numerics),
+        memory_budget(max_memory),
     )
     raise typer.Exit(code)
 

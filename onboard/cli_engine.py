@@ -8,11 +8,13 @@ import typer
 from onboard.cli_options import (
     DeviceOpt,
     DtypeOpt,
+    MaxMemoryOpt,
     NumericsOpt,
     PickleOpt,
     check_device,
     check_numerics,
     existing_data,
+    memory_budget,
     model_dir_of,
     torch_dtype,
 )
@@ -28,9 +30,11 @@ def adapt(
     ] = False,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "bf16",
+    max_memory: MaxMemoryOpt = None,
 ) -> None:
-    """Map the checkpoint onto the reference engine and prove logit parity with transformers."""
-    from onboard.adapt.stage import engine_model_for, resolve_target, run_adapt, run_layerwise
+    """Map the checkpoint onto the reference engine and prove logit parity with transformers; over
+    --max-memory (both models resident), layer by layer as --layerwise."""
+    from onboard.adapt.stage import adapt_plan, engine_model_for, resolve_target, run_adapt, run_layerwise
     from onboard.models import inspect_checkpoint
     from onboard.workspace import RunDir
 
@@ -38,8 +42,9 @@ def adapt(
     torch_type, device = torch_dtype(dtype), check_device(device)
     checkpoint = inspect_checkpoint(model_dir, allow_pickle=allow_pickle)
     engine_model_for(checkpoint)  # an unsupported architecture fails before RUN_DIR is touched
+    layerwise = layerwise or adapt_plan(checkpoint, memory_budget(max_memory)).path == "streamed"
     if layerwise:
-        from onboard.adapt.layerwise import check_layerwise
+        from onboard.models.layers import check_layerwise
 
         check_layerwise(model_dir)
     with RunDir(run_dir) as run:

@@ -32,7 +32,21 @@ EndpointOpt = Annotated[
     str | None, typer.Option(help="check this OpenAI-compatible server (vLLM, SGLang, onboard serve) instead")
 ]
 ServedModelOpt = Annotated[str | None, typer.Option(help="with --endpoint: the model id (default: the only one)")]
+MaxMemoryOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="memory budget, e.g. 6GB or 6GiB (default: 80 % of the machine's); a stage over it streams one "
+        "decoder layer at a time, or refuses in one line"
+    ),
+]
 ApiKeyOpt = Annotated[str | None, typer.Option(help="with --endpoint: sent as `Authorization: Bearer KEY`")]
+
+
+def memory_budget(max_memory: str | None) -> int:
+    """`--max-memory` in bytes (the default budget when not given), or a one-line refusal."""
+    from onboard.budget import resolve_budget
+
+    return resolve_budget(max_memory)
 
 
 def existing_data(path: Path | None) -> Path | None:

@@ -5,7 +5,17 @@ from typing import Annotated
 
 import typer
 
-from onboard.cli_options import CalibOpt, DataOpt, PickleOpt, RecipeOpt, RemoteOpt, SearchTokOpt, StepsOpt
+from onboard.cli_options import (
+    CalibOpt,
+    DataOpt,
+    MaxMemoryOpt,
+    PickleOpt,
+    RecipeOpt,
+    RemoteOpt,
+    SearchTokOpt,
+    StepsOpt,
+    memory_budget,
+)
 from onboard.errors import OnboardError
 
 
@@ -32,6 +42,7 @@ def bench_quant(
     search_tokens: SearchTokOpt = None,
     allow_pickle: PickleOpt = False,
     trust_remote_code: RemoteOpt = False,
+    max_memory: MaxMemoryOpt = None,
 ) -> None:
     """Uniform NVFP4 (llmcompressor's preset), NVFP4 + GPTQ, fixed rules (attention FP8, down_proj
     FP8, end layers BF16), and the additive and searched selections at each budget: held-out mean
@@ -50,4 +61,9 @@ def bench_quant(
             "--search-tokens": ("quantize.search.tokens", search_tokens),
         },
     )
+    from onboard.budget import model_shape, plan_stage
+
+    # A model copy per format and per method, scored in memory: no streamed path, so over the
+    # budget it refuses before loading anything.
+    plan_stage("selection", model_shape(checkpoint.path), memory_budget(max_memory), settings.quantize.search.tokens)
     run_bench_quant(checkpoint, settings, chosen, existing_data(calib), existing_data(data), out)

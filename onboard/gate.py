@@ -42,12 +42,17 @@ class Check:
     value: Callable[[dict], Any]
     # adapt's parity rules the check belongs to (parity.json `rule`); empty: every run
     rules: tuple[str, ...] = ()
+    # A metrics key whose text says why the value is null: the check is then not measured (the run
+    # incomplete), not malformed. The speculator over the memory budget without a deployment.
+    note_key: str | None = None
 
 
 # adapt's rule for artifacts without 4-bit activations (bf16, FP8, weight-only) and for parity.json
 # files older than the `rule` key; artifacts with 4-bit activations get the layerwise-distribution rule.
 TOKEN_RULES = ("bitwise", "near_tie")
 DISTRIBUTION_RULES = ("layerwise_distribution",)
+# Over the memory budget adapt runs only layer by layer (adapt/layerwise.json): its floors judge.
+LAYERWISE_RULES = ("layerwise",)
 
 
 def _excess(key: str) -> Callable[[dict], float]:
@@ -72,7 +77,14 @@ def _worst(key: str) -> Callable[[dict], float]:
 CHECKS = (
     Check("mean_kld", "eval", "max_mean_kld", operator.le, itemgetter("mean_kld")),
     Check("top1_agreement", "eval", "min_top1_agreement", operator.ge, itemgetter("top1_agreement")),
-    Check("acceptance_length", "speculator", "min_acceptance_length", operator.ge, itemgetter("acceptance_length")),
+    Check(
+        "acceptance_length",
+        "speculator",
+        "min_acceptance_length",
+        operator.ge,
+        itemgetter("acceptance_length"),
+        note_key="acceptance_note",
+    ),
     Check(
         "parity_logit_diff",
         "adapt",
@@ -109,7 +121,7 @@ CHECKS = (
         "max_parity_layer_ratio",
         operator.le,
         lambda m: m["layerwise"]["max_floor_ratio"],
-        DISTRIBUTION_RULES,
+        DISTRIBUTION_RULES + LAYERWISE_RULES,
     ),
     Check(
         "parity_linear_ratio",
@@ -117,7 +129,7 @@ CHECKS = (
         "max_parity_linear_ratio",
         operator.le,
         lambda m: m["layerwise"]["max_linear_ratio"],
-        DISTRIBUTION_RULES,
+        DISTRIBUTION_RULES + LAYERWISE_RULES,
     ),
 )
 
@@ -155,16 +167,37 @@ def _stage_results(run_dir: Path) -> dict[str, dict | None]:
         path = run_dir / relative
         done = stages.get(stage, {}).get("status") == "done"
         found[stage] = _load_metrics(path) if done and path.is_file() else None
+    layerwise = run_dir / "adapt/layerwise.json"
+    if found["adapt"] is None and stages.get("adapt_layerwise", {}).get("status") == "done" and layerwise.is_file():
+        found["adapt"] = {"rule": "layerwise", "layerwise": _load_metrics(layerwise)}
+    speculator = found["speculator"]
+    if speculator is not None and speculator.get("acceptance_length") is None:
+        found["speculator"] = _served_acceptance(run_dir) or speculator
     return found
 
 
-def _value(check: Check, metrics: dict, path: Path) -> float | bool:
+def _served_acceptance(run_dir: Path) -> dict | None:
+    """A speculator trained over the memory budget without a deployment has no acceptance; once the
+    artifact is served with it, `onboard speculator RUN_DIR --endpoint URL` measures it into
+    endpoints/NAME/speculator/metrics.json: the latest such measurement stands in."""
+    measured = sorted(run_dir.glob("endpoints/*/speculator/metrics.json"), key=lambda p: p.stat().st_mtime)
+    for path in reversed(measured):
+        metrics = _load_metrics(path)
+        if _finite(metrics.get("acceptance_length")):
+            return metrics
+    return None
+
+
+def _value(check: Check, metrics: dict, path: Path) -> float | bool | None:
+    """The check's value; None when its stage recorded it as not measured (`Check.note_key`)."""
     try:
         value = check.value(metrics)
     except KeyError as err:
         raise OnboardError(f"{path} has no {err.args[0]!r}, which check {check.name} needs") from err
     except TypeError as err:  # a string or null where a number belongs
         raise OnboardError(f"{path}: check {check.name} needs numbers, found {err}") from err
+    if value is None and check.note_key and isinstance(metrics.get(check.note_key), str):
+        return None
     required = check.threshold_key.startswith("require_")
     if not (isinstance(value, bool) if required else _finite(value)):
         raise OnboardError(f"{path}: check {check.name} needs a finite number, found {value!r}")
@@ -195,13 +228,14 @@ def evaluate_gate(run_dir: Path, gate: Gate | None = None) -> dict[str, Any]:
         metrics = results[check.stage]
         value = _value(check, metrics, run_dir / _STAGE_FILES[check.stage]) if metrics is not None else None
         passed = value is not None and bool(check.compare(value, threshold))
-        checks.append(
-            {"name": check.name, "stage": check.stage, "value": value, "threshold": threshold, "passed": passed}
-        )
+        entry = {"name": check.name, "stage": check.stage, "value": value, "threshold": threshold, "passed": passed}
+        if metrics is not None and value is None:  # its stage ran and said why it has no value
+            entry["note"] = metrics[check.note_key]
+        checks.append(entry)
     missing = [stage for stage, metrics in results.items() if metrics is None]
     return {
         "passed": not missing and all(c["passed"] for c in checks),
-        "complete": not missing,
+        "complete": not missing and not any("note" in c for c in checks),
         "missing": missing,
         "parity_rule": rule,
         "checks": checks,
@@ -211,7 +245,7 @@ def evaluate_gate(run_dir: Path, gate: Gate | None = None) -> dict[str, Any]:
 def parity_rule(parity: dict | None, run_dir: Path) -> str:
     """The rule adapt judged by (`near_tie` when adapt has not run or predates the key)."""
     rule = "near_tie" if parity is None else parity.get("rule", "near_tie")
-    if rule not in TOKEN_RULES + DISTRIBUTION_RULES:
+    if rule not in TOKEN_RULES + DISTRIBUTION_RULES + LAYERWISE_RULES:
         raise OnboardError(f"{run_dir / _STAGE_FILES['adapt']}: unknown parity rule {rule!r}")
     return rule
 
@@ -237,7 +271,9 @@ def junit_xml(result: dict[str, Any]) -> str:
     for check in checks:
         classname = f"onboard.gate.{check['stage']}"
         case = ET.SubElement(suite, "testcase", classname=classname, name=check["name"], time="0")
-        if check["value"] is None:
+        if "note" in check:
+            ET.SubElement(case, "error", message=f"{check['name']} {check['note']}", type="not_measured")
+        elif check["value"] is None:
             ET.SubElement(case, "error", message=f"stage '{check['stage']}' has not run", type="missing")
         elif not check["passed"]:
             message = f"{check['name']} = {check['value']!r} misses threshold {check['threshold']!r}"
@@ -260,7 +296,7 @@ def gate_table(result: dict[str, Any]) -> Table:
     for column in ("check", "stage", "value", "threshold", "result"):
         table.add_column(column, justify="left" if column in ("check", "stage") else "right")
     for check in result["checks"]:
-        value = "missing" if check["value"] is None else _shown(check["value"])
+        value = "not measured" if "note" in check else "missing" if check["value"] is None else _shown(check["value"])
         mark = "[green]pass[/]" if check["passed"] else "[red]fail[/]"
         table.add_row(check["name"], check["stage"], value, _shown(check["threshold"]), mark)
     return table

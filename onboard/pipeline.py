@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from onboard.budget import resolve_budget
 from onboard.errors import OnboardError
 
 STAGES = ("quantize", "eval", "speculator", "adapt", "smoke", "report", "gate")
@@ -58,8 +59,10 @@ def run_pipeline(
     junit: Path | None = None,
     device: str = "cpu",
     numerics: str = "fast",
+    max_memory: int | None = None,
 ) -> int:
-    """Run `stages` of STAGES in order (engines on `device`, serving in `numerics`; adapt judges both);
+    """Run `stages` of STAGES in order (engines on `device`, serving in `numerics`; adapt judges both),
+    each in memory or streamed as the plan for `max_memory` (bytes; None: the default budget) says;
     the gate's exit code when it ran, else 0."""
     from onboard.cli_options import existing_data, recipe_with_overrides
     from onboard.models import resolve_model
@@ -72,31 +75,85 @@ def run_pipeline(
     checkpoint = resolve_model(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     resolved = recipe_with_overrides(checkpoint, recipe, overrides)
     calib, data = existing_data(calib), existing_data(data)
+    budget = resolve_budget(max_memory)
+    plans = {plan.stage: plan for plan in run_plan(checkpoint, resolved, stages, budget)}
+    spec, reference_spec = deployment_specs(resolved.deployment)
     with RunDir(out) as run:
         run.record_recipe(resolved)
         if "quantize" in stages:
             from onboard.quantize.stage import run_quantize
 
-            run_quantize(run, checkpoint, resolved.quantize, calib)
+            run_quantize(run, checkpoint, resolved.quantize, calib, budget)
         if "eval" in stages:
             from onboard.evaluate.stage import run_eval
 
-            run_eval(run, resolved.eval, data)
+            run_eval(run, resolved.eval, data, max_memory=budget)
         if "speculator" in stages:
             from onboard.speculator.stage import run_speculator
 
-            run_speculator(run, resolved.speculator, None, device=device, numerics=numerics)
+            run_speculator(
+                run, resolved.speculator, None, device=device, numerics=numerics, max_memory=budget, endpoint=spec
+            )
         if "adapt" in stages:
-            from onboard.adapt.stage import run_adapt
+            from onboard.adapt.stage import run_adapt, run_layerwise
             from onboard.models import inspect_checkpoint
 
             run.require("quantize")
-            run_adapt(run, inspect_checkpoint(run.artifact), device)
+            streamed = plans["adapt"].path == "streamed"
+            (run_layerwise if streamed else run_adapt)(run, inspect_checkpoint(run.artifact), device)
         if "smoke" in stages:
-            from onboard.smoke.stage import run_smoke
+            if plans["smoke"].path == "endpoint":
+                from onboard.smoke.endpoint import run_endpoint_smoke
 
-            run_smoke(run, resolved.smoke, data, device, numerics)
+                run_endpoint_smoke(run, resolved.smoke, data, spec, reference_spec, device, numerics)
+            else:
+                from onboard.smoke.stage import run_smoke
+
+                run_smoke(run, resolved.smoke, data, device, numerics)
         return finish(run.root, "report" in stages, "gate" in stages, junit)
+
+
+def deployment_specs(deployment):
+    """The recipe's (or the command line's) servers as EndpointSpecs, None where not given."""
+    from onboard.endpoint import EndpointSpec
+
+    spec = EndpointSpec(deployment.endpoint, deployment.served_model, None) if deployment.endpoint else None
+    reference = deployment.reference_endpoint
+    reference_spec = EndpointSpec(reference, deployment.reference_model, None) if reference else None
+    return spec, reference_spec
+
+
+def run_plan(checkpoint, recipe, stages: list[str], budget: int) -> list:
+    """Each chosen stage's path under `budget`, printed as a table before anything runs; a stage
+    that fits no path refuses in one line here, before the run directory is touched.  Estimates
+    use the unquantized checkpoint for both sides (the artifact is smaller)."""
+    from onboard.budget import model_shape, plan_stage, plan_table
+    from onboard.console import console
+    from onboard.quantize.stage import quantize_plan
+
+    shape = model_shape(checkpoint.path)
+    deployment = recipe.deployment
+    plans = []
+    if "quantize" in stages:
+        plans.append(quantize_plan(checkpoint, recipe.quantize, budget))
+    if "eval" in stages:
+        tokens = recipe.eval.max_tokens + shape.num_layers * recipe.eval.per_layer_tokens
+        plans.append(plan_stage("eval", shape, budget, tokens))
+    if "speculator" in stages:
+        from onboard.speculator.stage import speculator_plan
+
+        # over the budget: trained on streamed data, measured on --endpoint when given
+        plans.append(speculator_plan(checkpoint.path, recipe.speculator, budget, bool(deployment.endpoint)))
+    if "adapt" in stages:
+        from onboard.adapt.stage import adapt_plan
+
+        plans.append(adapt_plan(checkpoint, budget))
+    if "smoke" in stages:
+        both = bool(deployment.endpoint and deployment.reference_endpoint)
+        options = "--endpoint URL --reference-endpoint URL"
+        plans.append(plan_stage("smoke", shape, budget, 0, endpoint=both, options=options))
+    console.print(plan_table(plans, budget))
+    return plans
 
 
 def finish(run_dir: Path, report: bool, gate: bool, junit: Path | None = None) -> int:

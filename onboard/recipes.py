@@ -161,6 +161,16 @@ class Gate(_Strict):
     max_parity_linear_ratio: float = Field(2.0, ge=0)
 
 
+class Deployment(_Strict):
+    """Where `onboard run` sends the stages that generate when the model is over the memory
+    budget: a server of the artifact (with its speculator) and one of the unquantized reference."""
+
+    endpoint: str | None = None
+    served_model: str | None = None
+    reference_endpoint: str | None = None
+    reference_model: str | None = None
+
+
 class Recipe(_Strict):
     name: str = "default"
     description: str = ""
@@ -171,6 +181,7 @@ class Recipe(_Strict):
     speculator: SpeculatorSettings = SpeculatorSettings()
     smoke: Smoke = Smoke()
     gate: Gate = Gate()
+    deployment: Deployment = Deployment()
 
 
 def describe(err: ValidationError) -> str:

@@ -229,6 +229,8 @@ def test_spec_covers_every_check():
     for name in SPEC:
         if name in TOKEN_CHECKS:
             assert rules[name] == {"bitwise", "near_tie"}, name
+        elif name in LAYERWISE_CHECKS:
+            assert rules[name] == {"layerwise_distribution", "layerwise"}, name
         elif name in DISTRIBUTION_CHECKS:
             assert rules[name] == {"layerwise_distribution"}, name
         else:
@@ -396,6 +398,28 @@ def test_w4a4_run_is_gated_on_the_distribution_checks_only(tmp_path):
     assert exit_code(result) == 0
 
 
+LAYERWISE_CHECKS = ("parity_layer_ratio", "parity_linear_ratio")
+
+
+@pytest.mark.parametrize(("ratio", "passes"), [(1.5, True), (9.0, False)])
+def test_a_run_over_budget_is_gated_on_its_layerwise_parity(tmp_path, ratio, passes):
+    """Over the memory budget adapt runs only `--layerwise` (stage adapt_layerwise): its floor ratios
+    are the adapt checks, and the run is complete without parity.json."""
+    root = make_run(tmp_path / "run", passing_metrics(), skip_files=("adapt",), status={"adapt": None})
+    manifest = json.loads((root / MANIFEST).read_text())
+    manifest["stages"]["adapt_layerwise"] = {"status": "done", "metrics": {}}
+    (root / MANIFEST).write_text(json.dumps(manifest))
+    block = copy.deepcopy(PASSING_W4A4["adapt"]["layerwise"])
+    block["max_floor_ratio"] = ratio
+    (root / "adapt").mkdir(exist_ok=True)
+    (root / "adapt/layerwise.json").write_text(json.dumps(block))
+    result = evaluate_gate(root)
+    assert result["complete"] is True
+    assert result["parity_rule"] == "layerwise"
+    assert _adapt_checks(result) == list(LAYERWISE_CHECKS)
+    assert result["passed"] is passes
+
+
 @pytest.mark.parametrize("rule", ["bitwise", "near_tie"])
 def test_token_rule_run_is_gated_on_the_token_checks_only(tmp_path, rule):
     """Distribution and layerwise blocks that would fail every distribution check are not read."""
@@ -428,7 +452,7 @@ def test_a_parity_file_without_a_rule_gets_the_token_checks(tmp_path):
     assert result["parity_rule"] == "near_tie"
 
 
-@pytest.mark.parametrize("rule", ["w4a4", "NEAR_TIE", "layerwise", "", None, 4])
+@pytest.mark.parametrize("rule", ["w4a4", "NEAR_TIE", "layer_wise", "", None, 4])
 def test_an_unknown_parity_rule_is_an_onboard_error(tmp_path, rule):
     metrics = passing_metrics()
     metrics["adapt"]["rule"] = rule
@@ -886,3 +910,22 @@ def test_cli_set_flips_pass_to_fail(tmp_path):
     written = json.loads((run / "gate.json").read_text())
     assert failed_names(written) == {"mean_kld"}
     assert by_name(written)["mean_kld"]["threshold"] == 0.01
+
+
+def test_an_unmeasured_speculator_is_incomplete_until_a_deployment_measures_it(tmp_path):
+    """Trained over the memory budget without a deployment: acceptance null with a note, so the run
+    is incomplete; `onboard speculator RUN --endpoint URL` later measures the served artifact."""
+    metrics = passing_metrics()
+    metrics["speculator"] = {"acceptance_length": None, "acceptance_note": "measure it on a deployment"}
+    root = make_run(tmp_path / "run", metrics)
+    result = evaluate_gate(root)
+    assert result["complete"] is False and exit_code(result) == 2
+    assert by_name(result)["acceptance_length"]["note"] == "measure it on a deployment"
+    served = root / "endpoints/vllm/speculator/metrics.json"
+    served.parent.mkdir(parents=True)
+    served.write_text(json.dumps({"acceptance_length": 2.1}))
+    result = evaluate_gate(root)
+    assert result["complete"] is True and result["passed"] is True
+    assert by_name(result)["acceptance_length"]["value"] == 2.1
+    served.write_text(json.dumps({"acceptance_length": 1.0}))
+    assert failed_names(evaluate_gate(root)) == {"acceptance_length"}

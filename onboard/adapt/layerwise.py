@@ -3,7 +3,7 @@
 For a checkpoint larger than memory, whole-model parity cannot hold both models at once.  Here
 only the embeddings, the head and ONE decoder layer of each side are resident at a time: the
 reference stream starts at the embeddings of the parity prompts, and for each layer i both sides
-run layer i (built from the checkpoint's tensors for that layer only, `reference_layers.py` for
+run layer i (built from the checkpoint's tensors for that layer only, `onboard.models.layers` for
 transformers' side, plain or compressed-tensors) on transformers' recorded input of layer i,
 the outputs are compared, and transformers' output becomes layer i+1's input.  Finally both
 sides' norm and lm_head run on transformers' last hidden states.
@@ -17,15 +17,17 @@ while a layer that computes something else lands far above and is named (`MAX_LA
 Exact numerics compute transformers' own products, so the error is usually zero.
 """
 
+import gc
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.progress import Progress
 
-from onboard.adapt.reference_layers import ReferenceLayers, layer_tensors
 from onboard.console import console
-from onboard.errors import OnboardError
+from onboard.engine import LayerStepper, checkpoint_linears
+from onboard.memory import release_freed_memory
+from onboard.models.layers import CheckpointLayers, check_layerwise, layer_tensors
 from onboard.recipes import Gate
 
 # A layer passes while its RMS error stays within this many times its floor's RMS, and each of
@@ -33,44 +35,6 @@ from onboard.recipes import Gate
 # its output's rounding step: the recipe schema's defaults, where the measurements are noted.
 MAX_LAYER_RATIO = Gate.model_fields["max_parity_layer_ratio"].default
 MAX_LINEAR_RATIO = Gate.model_fields["max_parity_linear_ratio"].default
-
-
-def _engine_step(engine_model, length: int, device: torch.device):
-    """A StepContext for one prefill of `length` tokens over a private cache holding every layer."""
-    from onboard.engine.attention import attention_backend
-    from onboard.engine.batch import ForwardBatch
-    from onboard.engine.context import StepContext
-    from onboard.engine.kv_cache import KVCache
-
-    block = 16
-    blocks = -(-length // block)
-    cache = KVCache(engine_model.kv_layout, blocks, block, device)
-    positions = torch.arange(length, device=device)
-    batch = ForwardBatch(
-        input_ids=torch.zeros(length, dtype=torch.long, device=device),
-        positions=positions,
-        slot_mapping=positions,
-        query_lens=[length],
-        context_lens=[length],
-        block_tables=[list(range(blocks))],
-        logits_indices=torch.tensor([length - 1], device=device),
-        block_size=block,
-        decoding=[False],
-    )
-    backend = attention_backend(device)
-    ctx = StepContext(cache, backend, backend.build_metadata(batch), positions, trace={})
-    engine_model.prepare(batch, ctx)
-    return ctx
-
-
-def check_layerwise(path: Path) -> Any:
-    """The checkpoint's config, or a one-line refusal of what layerwise parity cannot compare."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
-    if any(t == "sliding_attention" for t in getattr(config, "layer_types", None) or []):
-        raise OnboardError("layerwise parity does not build sliding-window masks yet; run whole-model adapt")
-    return config
 
 
 def last_bit_perturbed(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -148,9 +112,7 @@ class _LinearRecorder:
 def _linear_errors(recorder: _LinearRecorder, engine_layer: torch.nn.Module, errors: dict[str, "_Error"]) -> None:
     """Each engine linear on transformers' own recorded input for it, against its output; the
     floor is the output's rounding step (the inputs are the same, so the quantizer's are too)."""
-    from onboard.engine.linear import EngineLinear
-
-    mine = {m.name: m for m in engine_layer.modules() if isinstance(m, EngineLinear)}
+    mine = checkpoint_linears(engine_layer)
     for name, calls in recorder.calls.items():
         if name not in mine:  # fused on the engine's side, or a reference-only module
             continue
@@ -166,19 +128,15 @@ def measure_layerwise(
     path: Path, prompts: list[list[int]], dtype: torch.dtype, device: str = "cpu", engine_layer=None
 ) -> dict[str, Any]:
     """Per decoder layer (and the head), the engine's output against transformers' on transformers'
-    input, each error against the layer's floor.  `engine_layer(model, index)`: how the engine's
-    layer is built (a test breaks one)."""
-    from onboard.engine.models import model_class
-    from onboard.engine.weights import CheckpointWeights
-
+    input, each error against the layer's floor.  `engine_layer(stepper, index)`: how the engine's
+    layer is built from the `LayerStepper` (default `stepper.decoder_layer(index)`; a test breaks one)."""
     device_ = torch.device(device)
     config = check_layerwise(path)
-    weights = CheckpointWeights(path, dtype=dtype, device=device_, fuse_linears=False)
-    engine_model = model_class(config)(config, weights, layer_ids=())
-    build = engine_layer or (lambda model, i: model.make_layer(config, weights, f"model.layers.{i}", i))
-    reference = ReferenceLayers(path, config, dtype, device_)
-    streams = [engine_model.embed_tokens[torch.tensor(p, device=device_)] for p in prompts]
-    contexts = [_engine_step(engine_model, len(p), device_) for p in prompts]
+    stepper = LayerStepper(path, dtype, device_)
+    build = engine_layer or (lambda stepper, i: stepper.decoder_layer(i))
+    reference = CheckpointLayers(path, config, dtype, device_)
+    streams = [stepper.embed(p) for p in prompts]
+    steps = [stepper.prefill(len(p)) for p in prompts]
     topk: list[torch.Tensor | None] = [None] * len(prompts)
     gen = torch.Generator().manual_seed(0)
     layers = []
@@ -186,7 +144,7 @@ def measure_layerwise(
         task = progress.add_task("layerwise parity", total=config.num_hidden_layers)
         for index in range(config.num_hidden_layers):
             theirs_layer = reference.layer(index)
-            mine_layer = build(engine_model, index)
+            mine_layer = build(stepper, index)
             error = _Error(f"model.layers.{index}")
             recorder, linears = _LinearRecorder(theirs_layer, f"model.layers.{index}"), {}
             for p, x in enumerate(streams):
@@ -202,7 +160,7 @@ def measure_layerwise(
                 want, selected = _run(theirs_layer, x, kwargs)
                 recorder.active = False
                 moved, _ = _run(theirs_layer, last_bit_perturbed(x, gen), kwargs)
-                error.add(mine_layer.forward(x, contexts[p]), want[0], moved[0])
+                error.add(stepper.run_decoder_layer(mine_layer, x, steps[p]), want[0], moved[0])
                 _linear_errors(recorder, mine_layer, linears)
                 streams[p], topk[p] = want[0], selected
             entry = error.entry()
@@ -212,8 +170,10 @@ def measure_layerwise(
             entry["passed"] = entry["passed"] and entry["linear_ratio"] <= MAX_LINEAR_RATIO
             layers.append(entry)
             del theirs_layer, mine_layer
+            gc.collect()  # compressed-tensors layers sit in reference cycles (models/streamed.py)
+            release_freed_memory()
             progress.advance(task)
-    head = _head(path, config, engine_model, reference, streams, gen)
+    head = _head(path, config, stepper, reference, streams, gen)
     failing = [e["layer"] for e in layers if not e["passed"]] + ([] if head["passed"] else ["head"])
     return {
         "dtype": str(dtype).removeprefix("torch."),
@@ -241,16 +201,16 @@ def _run(layer: torch.nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> tup
     return out if isinstance(out, tuple) else (out, None)
 
 
-def _head(path, config, engine_model, reference: ReferenceLayers, streams, gen) -> dict[str, Any]:
+def _head(path, config, stepper: LayerStepper, reference: CheckpointLayers, streams, gen) -> dict[str, Any]:
     """The final norm and lm_head of both sides on transformers' last hidden states."""
     norm = reference.norm()
     if getattr(config, "tie_word_embeddings", False):
-        head_weight = engine_model.embed_tokens
+        head_weight = stepper.embed_tokens
     else:
         head_weight = layer_tensors(path, "lm_head.")["weight"].to(device=reference.device, dtype=reference.dtype)
     error = _Error("head")
     for x in streams:
         want = torch.nn.functional.linear(norm(x[None])[0], head_weight)
         moved = torch.nn.functional.linear(norm(last_bit_perturbed(x, gen)[None])[0], head_weight)
-        error.add(engine_model.compute_logits(engine_model.norm.forward(x)), want, moved)
+        error.add(stepper.compute_logits(stepper.final_norm(x)), want, moved)
     return error.entry()

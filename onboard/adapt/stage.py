@@ -311,6 +311,13 @@ def source_of(run: RunDir) -> Checkpoint | None:
     return inspect_checkpoint(Path(path)) if path else None
 
 
+def adapt_plan(checkpoint: Checkpoint, budget: int):
+    """Whole-model parity holds transformers' model and the engine's; streamed is `--layerwise`."""
+    from onboard.budget import model_shape, plan_stage
+
+    return plan_stage("adapt", model_shape(checkpoint.path), budget, 4096)
+
+
 def run_adapt(
     run: RunDir, checkpoint: Checkpoint, device: str = "cpu", dtype: torch.dtype = torch.bfloat16
 ) -> dict[str, Any]:

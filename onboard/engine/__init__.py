@@ -1,7 +1,29 @@
 """onboard's reference serving engine (nano-vllm's shape); this is its public surface.
 
 Stages, the server and the bench use these names only, never the runner, the scheduler or the
-block manager.  Where the engine's parts live:
+block manager (`tests/engine/test_public_api.py` checks).  Beside requests in, tokens out
+(`add_request`, `step`, `generate`), an `LLMEngine` gives what stages read of the model it serves:
+
+* `score(token_ids)`            float32 logits at every position (teacher forcing);
+* `hidden_states(token_ids, aux_layers)` and `batched_hidden_states(token_lists, aux_layers)`
+                                the final normed hidden states and decoder layers' inputs, as served
+                                (an EAGLE-3 speculator trains on them);
+* `decoder_layer(index)`        a decoder layer's modules and weights as served, for reading;
+* `target_tensors()`, `hf_config`, `vocab_size`, `kv_layout`, `kernel_report`, `stats()`.
+
+`StepBench` runs one model's forward steps by hand, at any context without prefilling it, as
+either numerics' step (`onboard bench-kv` times them).  `LayerStepper` runs a checkpoint larger
+than memory one decoder layer at a time, in exact numerics (layerwise parity):
+
+* `LayerStepper(path, dtype, device)`   embeddings, final norm and head only, no layer resident;
+* `decoder_layer(index)`                layer `index` built from the checkpoint now, not kept;
+* `prefill(num_tokens)`                 one sequence's step, to run every layer in order over;
+* `run_decoder_layer(layer, hidden, step)`  the layer's `[T, H]` output, as the model's forward
+                                        gives it (DSA: a layer's selection handed on in `step`);
+* `embed(token_ids)`, `final_norm(hidden)`, `compute_logits(hidden)`, `embed_tokens`, `hf_config`;
+* `checkpoint_linears(module)`          a layer's linears by the checkpoint module each was read from.
+
+Where the engine's parts live:
 
 * `attention/`  attention backends behind one interface (`base.py`), chosen per engine;
 * `kv_cache.py` the KV layout a model declares (`KVLayout`) and the paged cache built from it;
@@ -18,6 +40,9 @@ _EXPORTS = {
     "LLMEngine": "onboard.engine.llm_engine",
     "Completion": "onboard.engine.llm_engine",
     "RequestOutput": "onboard.engine.llm_engine",
+    "StepBench": "onboard.engine.step_bench",
+    "LayerStepper": "onboard.engine.layer_stepper",
+    "checkpoint_linears": "onboard.engine.layer_stepper",
     "EngineConfig": "onboard.engine.config",
     "SamplingParams": "onboard.engine.sampler",
     "MAX_LOGPROBS": "onboard.engine.sampler",

@@ -104,6 +104,12 @@ class LLMEngine:
             p.numel() * p.element_size() for name, p in model.named_parameters() if tied or "embed" not in name
         )
 
+    @property
+    def kernel_report(self) -> list[dict[str, Any]]:
+        """Fast numerics' linear kernels, as chosen per weight shape on this machine (`kernels.py`);
+        empty in exact numerics."""
+        return self.runner.kernel_report
+
     def stats(self) -> dict[str, Any]:
         """Scheduler and cache counters, as `/metrics` publishes them."""
         bm, scheduler = self.block_manager, self.scheduler
@@ -284,12 +290,33 @@ class LLMEngine:
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One sequence teacher-forced: the final normed hidden states [T, H] and the inputs of
         decoder layers `aux_layers` (each [T, H]), as the engine computes them when serving."""
-        seq = Sequence(list(token_ids), self.config.block_size)
-        if not self.block_manager.can_allocate(seq, reuse_prefix=False):
-            raise ValueError("not enough free KV-cache blocks for this sequence")
-        self.block_manager.allocate(seq, reuse_prefix=False)
+        return self.batched_hidden_states([token_ids], aux_layers, trace)[0]
+
+    @torch.inference_mode()
+    def batched_hidden_states(
+        self, token_lists: Seq[list[int]], aux_layers: Seq[int] = (), trace: dict | None = None
+    ) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        """`hidden_states` of several sequences in one prefill over the paged cache (allocated
+        without prefix reuse, released after it), per sequence in order.  Fast numerics run their
+        rows together, so a sequence's states may differ from its lone forward's in GEMM rounding."""
+        seqs = [Sequence(list(ids), self.config.block_size) for ids in token_lists]
+        allocated = []
         try:
-            return self.runner.forward_hidden([ScheduledSeq(seq, len(seq))], tuple(aux_layers), trace)
+            for seq in seqs:
+                if not self.block_manager.can_allocate(seq, reuse_prefix=False):
+                    raise ValueError("not enough free KV-cache blocks for these sequences")
+                self.block_manager.allocate(seq, reuse_prefix=False)
+                allocated.append(seq)
+            final, aux = self.runner.forward_hidden([ScheduledSeq(s, len(s)) for s in seqs], tuple(aux_layers), trace)
         finally:
-            self.block_manager.deallocate(seq)
-            seq.status = SequenceStatus.FINISHED
+            for seq in allocated:
+                self.block_manager.deallocate(seq)
+                seq.status = SequenceStatus.FINISHED
+        lengths = [len(s) for s in seqs]
+        per_layer = [states.split(lengths) for states in aux]
+        return [(part, [states[i] for states in per_layer]) for i, part in enumerate(final.split(lengths))]
+
+    def decoder_layer(self, index: int) -> torch.nn.Module:
+        """The served model's decoder layer `index` (negative: from the end), its weights as served
+        (fused where fast numerics fuse them, dequantized); for reading, not for running alone."""
+        return self.runner.model.layers[index]

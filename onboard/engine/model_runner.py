@@ -99,27 +99,38 @@ class ModelRunner:
             decoding=decoding,
         )
 
-    def context(self, batch: ForwardBatch, aux_layers: tuple[int, ...] = (), trace: dict | None = None) -> StepContext:
+    def context(
+        self,
+        batch: ForwardBatch,
+        aux_layers: tuple[int, ...] = (),
+        trace: dict | None = None,
+        numerics: str | None = None,
+    ) -> StepContext:
         return StepContext(
             cache=self.cache,
             backend=self.backend,
             attn=self.backend.build_metadata(batch),
             positions=batch.positions.to(self.device, non_blocking=True),
             aux_layers=aux_layers,
-            numerics=self.config.numerics,
+            numerics=numerics or self.config.numerics,
             trace=trace,
         )
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq], aux_layers: tuple[int, ...] = ()) -> StepResult:
-        if self.exact and len(scheduled) > 1:
-            parts = [self.run([item], aux_layers) for item in scheduled]
+    def run(
+        self, scheduled: list[ScheduledSeq], aux_layers: tuple[int, ...] = (), numerics: str | None = None
+    ) -> StepResult:
+        """One step; `numerics` (default `config.numerics`) runs it as that numerics' step over
+        this model as built (`StepBench` compares the two on one model)."""
+        numerics = numerics or self.config.numerics
+        if numerics == "exact" and len(scheduled) > 1:
+            parts = [self.run([item], aux_layers, numerics) for item in scheduled]
             return StepResult(
                 torch.cat([p.logits for p in parts]),
                 torch.cat([p.aux for p in parts]) if aux_layers else None,
                 {seq_id: rows for p in parts for seq_id, rows in p.prompt_logits.items()},
             )
-        batch, out = self._forward(scheduled, aux_layers, None)
+        batch, out = self._forward(scheduled, aux_layers, None, numerics)
         aux = torch.cat(out.aux_hidden_states, dim=-1) if aux_layers else None
         if len(batch.logits_indices) == 0:
             return StepResult(torch.empty(0, self.vocab_size), aux)
@@ -147,6 +158,12 @@ class ModelRunner:
         _, out = self._forward(scheduled, aux_layers, trace)
         return out.hidden, out.aux_hidden_states
 
-    def _forward(self, scheduled: list[ScheduledSeq], aux_layers: tuple[int, ...], trace: dict | None):
+    def _forward(
+        self,
+        scheduled: list[ScheduledSeq],
+        aux_layers: tuple[int, ...],
+        trace: dict | None,
+        numerics: str | None = None,
+    ):
         batch = self.prepare(scheduled)
-        return batch, self.model.forward(batch, self.context(batch, aux_layers, trace))
+        return batch, self.model.forward(batch, self.context(batch, aux_layers, trace, numerics))

@@ -9,12 +9,14 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from onboard import atomic
+from onboard.budget import StagePlan, human, model_shape, plan_stage, resolve_budget
 from onboard.console import console
 from onboard.data import builtin_records, load_records, pack_tokens, tokens_by_traffic
 from onboard.errors import OnboardError
 from onboard.evaluate.kl import KLStats
 from onboard.evaluate.logits import logit_chunks
 from onboard.evaluate.per_layer import batch_windows, layer_formats, per_layer_kl, per_layer_table
+from onboard.evaluate.streamed import streamed_kl, streamed_per_layer_kl
 from onboard.hashing import fingerprint
 from onboard.memory import release_freed_memory
 from onboard.models import inspect_checkpoint, load_model, load_tokenizer
@@ -95,9 +97,20 @@ def measure_kl(reference, quantized, windows: list[tuple[str, list[int]]]) -> di
     return stats
 
 
-def run_eval(run: RunDir, settings: Eval, data: Path | None, out: Path | None = None) -> dict[str, Any]:
+def eval_plan(reference: Path, artifact: Path, settings: Eval, budget: int) -> StagePlan:
+    """In memory (both models resident) or streamed (two passes, one layer at a time); the
+    per-layer KL's streams hold 2 x layers x per_layer_tokens hidden states."""
+    shape = model_shape(artifact)
+    tokens = settings.max_tokens + shape.num_layers * settings.per_layer_tokens
+    return plan_stage("eval", shape, budget, tokens, reference=model_shape(reference), options="--endpoint URL")
+
+
+def run_eval(
+    run: RunDir, settings: Eval, data: Path | None, out: Path | None = None, max_memory: int | None = None
+) -> dict[str, Any]:
     quantize = run.require("quantize")
     reference_path = Path(quantize["inputs"]["model_path"])
+    plan = eval_plan(reference_path, run.artifact, settings, resolve_budget(max_memory))
 
     def body(stage: Stage) -> dict[str, Any]:
         torch.manual_seed(0)
@@ -105,9 +118,14 @@ def run_eval(run: RunDir, settings: Eval, data: Path | None, out: Path | None = 
         artifact_ckpt = inspect_checkpoint(run.artifact)
         tokenizer = load_tokenizer(artifact_ckpt)
         windows = eval_windows(tokenizer, settings, data)
-        reference = load_model(reference_ckpt)
-        quantized = load_model(artifact_ckpt)
-        stats = measure_kl(reference, quantized, windows)
+        if plan.path == "streamed":
+            console.print(f"eval streamed ({human(plan.streamed)} estimated; in memory {human(plan.in_memory)})")
+            reference = quantized = None
+            stats = streamed_kl(reference_path, run.artifact, windows)
+        else:
+            reference = load_model(reference_ckpt)
+            quantized = load_model(artifact_ckpt)
+            stats = measure_kl(reference, quantized, windows)
         overall = stats.pop("all")
         result = {**overall.summary(), "effective_bits": quantize["metrics"]["effective_bits"]}
         result["histogram"] = overall.histogram()
@@ -116,9 +134,14 @@ def run_eval(run: RunDir, settings: Eval, data: Path | None, out: Path | None = 
         if settings.per_layer_tokens:
             selection = json.loads((run.root / "quantize/selection.json").read_text())
             ids = batch_windows(windows, settings.per_layer_tokens)
-            result["per_layer"] = per_layer_kl(reference, quantized, ids, layer_formats(selection["layers"]))
+            formats = layer_formats(selection["layers"])
+            if reference is None:
+                result["per_layer"] = streamed_per_layer_kl(reference_path, run.artifact, ids, formats)
+            else:
+                result["per_layer"] = per_layer_kl(reference, quantized, ids, formats)
         atomic.write_json(stage.path("eval/kl.json"), result)
-        return {k: result[k] for k in ("mean_kld", "top1_agreement", "num_tokens", "effective_bits")}
+        summary = {k: result[k] for k in ("mean_kld", "top1_agreement", "num_tokens", "effective_bits")}
+        return {**summary, "memory_path": plan.path}
 
     inputs = {
         "quantize": quantize["key"],

@@ -1,14 +1,17 @@
 """The quantize stage: llmcompressor oneshot to a compressed-tensors checkpoint in artifact/."""
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from onboard import atomic
+from onboard.budget import StagePlan, human, model_shape, plan_stage, resolve_budget
 from onboard.console import console
 from onboard.hashing import fingerprint
+from onboard.memory import map_large_blocks
 from onboard.models import Checkpoint, load_model, load_tokenizer
 from onboard.paths import CALIBRATION_DIR
 from onboard.quantize import modifiers
@@ -16,9 +19,12 @@ from onboard.quantize.auto import Selection
 from onboard.quantize.bits import effective_bits, is_quantizable, layer_bits
 from onboard.quantize.calibration import calibration_dataset
 from onboard.quantize.modifiers import needs_calibration
+from onboard.quantize.offloaded import load_offloaded
 from onboard.quantize.schemes import LADDERS, SCHEMES
 from onboard.recipes import Quantize
 from onboard.workspace import RunDir, Stage
+
+SHARD_SIZE = "2GB"
 
 
 def _dir_bytes(path: Path) -> int:
@@ -34,11 +40,39 @@ def quantize_inputs(checkpoint: Checkpoint, settings: Quantize, calib: Path | No
     }
 
 
-def run_quantize(run: RunDir, checkpoint: Checkpoint, settings: Quantize, calib: Path | None) -> dict[str, Any]:
+def quantize_plan(checkpoint: Checkpoint, settings: Quantize, budget: int) -> StagePlan:
+    """In memory, or streamed through llm-compressor's offloaded loading and sequential pipeline
+    (the calibration samples' inputs of one layer resident).  The search of `auto` holds a copy
+    of the model per format and has no streamed path yet."""
+    shape = model_shape(checkpoint.path)
+    if settings.scheme == "auto":
+        plan_stage("selection", shape, budget, settings.search.tokens)
+    tokens = settings.calibration.num_samples * settings.calibration.max_seq_length
+    return plan_stage("quantize", shape, budget, tokens)
+
+
+def run_quantize(
+    run: RunDir, checkpoint: Checkpoint, settings: Quantize, calib: Path | None, max_memory: int | None = None
+) -> dict[str, Any]:
+    budget = resolve_budget(max_memory)
+    plan = quantize_plan(checkpoint, settings, budget)
+
     def body(stage: Stage) -> dict[str, Any]:
         torch.manual_seed(0)
         tokenizer = load_tokenizer(checkpoint)
-        model = load_model(checkpoint)
+        offload = stage.staging / "offload"
+        if plan.path == "streamed":
+            console.print(f"quantize streamed ({human(plan.streamed)} estimated; in memory {human(plan.in_memory)})")
+            map_large_blocks()
+            model = load_offloaded(checkpoint, offload)
+        else:
+            model = load_model(checkpoint)
+        try:
+            return quantized(stage, model, tokenizer)
+        finally:
+            shutil.rmtree(offload, ignore_errors=True)
+
+    def quantized(stage: Stage, model, tokenizer) -> dict[str, Any]:
         dataset = None
         auto: dict[str, Any] = {}
         scheme, pinned = settings.scheme, dict(settings.formats)
@@ -67,7 +101,9 @@ def run_quantize(run: RunDir, checkpoint: Checkpoint, settings: Quantize, calib:
             auto["artifact_kld"] = selection.replay.mean_kl()[0]
 
         artifact = stage.path("artifact")
-        model.save_pretrained(artifact, save_compressed=True)
+        # Shards of a fixed size, whatever the path: the same bytes in memory or streamed, and
+        # an offloaded model is gathered one shard at a time.
+        model.save_pretrained(artifact, save_compressed=True, max_shard_size=SHARD_SIZE)
         tokenizer.save_pretrained(artifact)
         # llmcompressor leaves the recipe it applied beside the weights; keep it, it is data.
         layers = layer_bits(artifact)
@@ -92,6 +128,7 @@ def run_quantize(run: RunDir, checkpoint: Checkpoint, settings: Quantize, calib:
             "bytes_artifact": _dir_bytes(artifact),
             "quantized_layers": sum(1 for v in layers.values() if v["format"] not in ("bf16", "f16", "f32")),
             **({"search_kld": auto["final"]["measured_kld"], "bits_budget": settings.bits_budget} if auto else {}),
+            "memory_path": plan.path,
         }
 
     os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "WARNING")

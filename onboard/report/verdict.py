@@ -47,6 +47,9 @@ def headlines(run: Run) -> list[dict[str, Any]]:
     before, after = quant.get("bytes_reference"), quant.get("bytes_artifact")
     ref_loop, invariant, speedup = smoke.get("reference_loop_rate"), smoke.get("batch_invariant"), spec.get("speedup")
     draft, shrink = spec.get("num_speculative_tokens"), ratio(before, after)
+    accept_detail = f"{num(draft)} draft tokens" if draft is not None else ""
+    if spec.get("acceptance_length") is None and spec.get("acceptance_note"):  # over the memory budget
+        accept_detail = "not measured (see the speculator card)"
     rows = [
         ("mean_kld", "Mean KLD", num(kl.get("mean_kld")),
          f"p99 {num(kl.get('p99_kld'))}" if "p99_kld" in kl else "", "eval", ("kld",)),
@@ -56,7 +59,7 @@ def headlines(run: Run) -> list[dict[str, Any]]:
         ("size", "Size on disk", mb(after), f"from {mb(before)}, {shrink} smaller" if is_num(before) else "",
          "quantize", ("size", "bytes")),
         ("acceptance", "Acceptance length", num(spec.get("acceptance_length")),
-         f"{num(draft)} draft tokens" if draft is not None else "", "speculator", ("acceptance",)),
+         accept_detail, "speculator", ("acceptance",)),
         ("speedup", "Speculator speed-up", f"{num(speedup)}×" if is_num(speedup) else MISSING,
          "decode, vs no speculator", "speculator", ("speed",)),
         ("loop", "Loop rate", pct(smoke.get("loop_rate")), f"reference {pct(ref_loop)}" if ref_loop is not None else "",

@@ -3,9 +3,8 @@
 `engine.hidden_states` runs one sequence per forward; on an accelerator (and on a CPU, for short
 sequences) that leaves most of the hardware idle. Here sequences are packed in order, up to
 `pack_tokens` tokens a pack, and each pack is one prefill of several sequences over the paged KV
-cache, with the block manager used exactly as `hidden_states` uses it (allocated without prefix
-reuse, released after the forward). A sequence's states then differ from its lone forward only by
-the rounding of GEMMs whose row count differs (the function is the same).
+cache (`engine.batched_hidden_states`). A sequence's states then differ from its lone forward
+only by the rounding of GEMMs whose row count differs (the function is the same).
 """
 
 import json
@@ -19,6 +18,7 @@ from onboard.speculator.data import TrainingSequence
 from onboard.speculator.progress import Rate, rate_progress
 
 PACK_TOKENS = 2048  # tokens of one capture forward (the engine's default step budget)
+SHARD_TOKENS = 16384  # tokens of one written shard
 
 
 def _blocks(length: int, block_size: int) -> int:
@@ -41,53 +41,45 @@ def packs(lengths: Seq[int], max_tokens: int, max_blocks: int, block_size: int) 
     return groups
 
 
-@torch.inference_mode()
 def batched_hidden_states(
     engine, token_lists: Seq[list[int]], aux_layers: Seq[int] = ()
 ) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """`engine.hidden_states` of several sequences in one forward: per sequence, its final normed
-    hidden states [T, H] and the inputs of decoder layers `aux_layers` (each [T, H])."""
-    from onboard.engine.scheduler import ScheduledSeq
-    from onboard.engine.sequence import Sequence, SequenceStatus
-
-    manager = engine.block_manager
-    seqs = [Sequence(list(ids), engine.config.block_size) for ids in token_lists]
-    allocated = []
-    try:
-        for seq in seqs:
-            if not manager.can_allocate(seq, reuse_prefix=False):
-                raise ValueError("not enough free KV-cache blocks for these sequences")
-            manager.allocate(seq, reuse_prefix=False)
-            allocated.append(seq)
-        final, aux = engine.runner.forward_hidden([ScheduledSeq(s, len(s)) for s in seqs], tuple(aux_layers))
-    finally:
-        for seq in allocated:
-            manager.deallocate(seq)
-            seq.status = SequenceStatus.FINISHED
-    lengths = [len(s) for s in seqs]
-    finals = final.split(lengths)
-    per_layer = [a.split(lengths) for a in aux]
-    return [(finals[i], [states[i] for states in per_layer]) for i in range(len(seqs))]
+    """`engine.hidden_states` of several sequences in one forward (`LLMEngine.batched_hidden_states`):
+    per sequence, its final normed hidden states [T, H] and the inputs of decoder layers `aux_layers`."""
+    return engine.batched_hidden_states(token_lists, aux_layers)
 
 
-def capture_shards(
-    engine,
-    sequences: list[TrainingSequence],
-    aux_layers: list[int],
-    out_dir: Path,
-    shard_tokens: int = 16384,
-    pack_tokens: int = PACK_TOKENS,
-) -> dict:
-    """Teacher-force every sequence through the engine, `pack_tokens` tokens a forward; write
-    aux/final states (bf16) in shards of about `shard_tokens` tokens, in the sequences' order."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    shards: list[str] = []
-    pending: list[dict[str, torch.Tensor]] = []
+class ShardWriter:
+    """Captured sequences, in the order added, as safetensors shards of about `shard_tokens` tokens
+    (aux and final states in bf16) and the `index.json` training reads."""
 
-    def flush() -> None:
-        if not pending:
+    def __init__(self, out_dir: Path, aux_layers: list[int], shard_tokens: int = SHARD_TOKENS):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir, self.aux_layers, self.shard_tokens = out_dir, aux_layers, shard_tokens
+        self.shards: list[str] = []
+        self.pending: list[dict[str, torch.Tensor]] = []
+        self.num_sequences = self.num_tokens = 0
+        self.traffic: set[str] = set()
+
+    def add(self, seq: TrainingSequence, final: torch.Tensor, aux: Seq[torch.Tensor]) -> None:
+        self.pending.append(
+            {
+                "input_ids": torch.tensor(seq.token_ids, dtype=torch.int64),
+                "num_prompt_tokens": torch.tensor(seq.num_prompt_tokens),
+                "aux": torch.cat(list(aux), dim=-1).to(torch.bfloat16).cpu().contiguous(),
+                "final": final.to(torch.bfloat16).cpu().contiguous(),
+            }
+        )
+        self.num_sequences += 1
+        self.num_tokens += len(seq.token_ids)
+        self.traffic.add(seq.traffic)
+
+    def flush(self, force: bool = False) -> None:
+        """Write the pending sequences as one shard once they reach `shard_tokens` (or `force`)."""
+        if not self.pending or (not force and sum(len(p["input_ids"]) for p in self.pending) < self.shard_tokens):
             return
-        name = f"shard-{len(shards):05d}.safetensors"
+        pending = self.pending
+        name = f"shard-{len(self.shards):05d}.safetensors"
         tensors = {
             "input_ids": torch.cat([p["input_ids"] for p in pending]),
             "lengths": torch.tensor([len(p["input_ids"]) for p in pending], dtype=torch.int64),
@@ -95,12 +87,38 @@ def capture_shards(
             "aux": torch.cat([p["aux"] for p in pending]),
             "final": torch.cat([p["final"] for p in pending]),
         }
-        save_file(tensors, str(out_dir / name))
-        shards.append(name)
-        pending.clear()
+        save_file(tensors, str(self.out_dir / name))
+        self.shards.append(name)
+        self.pending = []
 
+    def close(self) -> dict:
+        """The last shard and the index; returns the index."""
+        self.flush(force=True)
+        index = {
+            "shards": self.shards,
+            "aux_layers": self.aux_layers,
+            "num_sequences": self.num_sequences,
+            "num_tokens": self.num_tokens,
+            "traffic": sorted(self.traffic),
+        }
+        (self.out_dir / "index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return index
+
+
+def capture_shards(
+    engine,
+    sequences: list[TrainingSequence],
+    aux_layers: list[int],
+    out_dir: Path,
+    shard_tokens: int = SHARD_TOKENS,
+    pack_tokens: int = PACK_TOKENS,
+) -> dict:
+    """Teacher-force every sequence through the engine, `pack_tokens` tokens a forward; write
+    aux/final states (bf16) in shards of about `shard_tokens` tokens, in the sequences' order."""
+    writer = ShardWriter(out_dir, aux_layers, shard_tokens)
     block_size = engine.config.block_size
-    groups = packs([len(s.token_ids) for s in sequences], pack_tokens, engine.block_manager.num_free_blocks, block_size)
+    free_blocks = engine.stats()["num_free_blocks"]
+    groups = packs([len(s.token_ids) for s in sequences], pack_tokens, free_blocks, block_size)
     total = sum(len(s.token_ids) for s in sequences)
     rate = Rate()
     with rate_progress() as progress:
@@ -109,28 +127,11 @@ def capture_shards(
             batch = [sequences[i] for i in group]
             states = batched_hidden_states(engine, [s.token_ids for s in batch], aux_layers)
             for seq, (final, aux) in zip(batch, states, strict=True):
-                pending.append(
-                    {
-                        "input_ids": torch.tensor(seq.token_ids, dtype=torch.int64),
-                        "num_prompt_tokens": torch.tensor(seq.num_prompt_tokens),
-                        "aux": torch.cat(aux, dim=-1).to(torch.bfloat16).cpu().contiguous(),
-                        "final": final.to(torch.bfloat16).cpu().contiguous(),
-                    }
-                )
-            if sum(len(p["input_ids"]) for p in pending) >= shard_tokens:
-                flush()
+                writer.add(seq, final, aux)
+            writer.flush()
             tokens = sum(len(s.token_ids) for s in batch)
             progress.update(task, advance=tokens, rate=rate.add(tokens))
-    flush()
-    index = {
-        "shards": shards,
-        "aux_layers": aux_layers,
-        "num_sequences": len(sequences),
-        "num_tokens": total,
-        "traffic": sorted({s.traffic for s in sequences}),
-    }
-    (out_dir / "index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return index
+    return writer.close()
 
 
 def combine_captures(out_dir: Path, parts: list[Path]) -> dict:

@@ -48,40 +48,49 @@ def endpoint_table(metrics: dict[str, Any]) -> Table:
     return table
 
 
-def run_endpoint_speculator(
-    run: RunDir, settings: SpeculatorSettings, data: Path | None, spec: EndpointSpec, concurrency: int = 1
+def measure_endpoint(
+    run: RunDir, settings: SpeculatorSettings, data: Path | None, endpoint: Endpoint, concurrency: int = 1
 ) -> dict[str, Any]:
+    """The acceptance of the speculator `endpoint` runs on the stage's held-out prompts: DATA's last
+    rows, or the eval split (never trained on); `metrics.json`'s contents."""
     from onboard.models import inspect_checkpoint, load_tokenizer
     from onboard.speculator.data import TRAFFIC, split_data
     from onboard.speculator.export import speculative_tokens
     from onboard.speculator.measure import held_out_prompts
 
+    tokenizer = load_tokenizer(inspect_checkpoint(run.artifact))
+    _, eval_records = split_data(data, settings.eval_prompts) if data else (None, None)
+    prompts = held_out_prompts(
+        tokenizer,
+        TRAFFIC[settings.traffic],
+        eval_records or None,
+        settings.eval_prompts,
+        settings.max_prompt_tokens,
+    )
+    spec = endpoint.spec
+    console.print(f"speculator: {len(prompts)} held-out prompts on {spec.base} ({endpoint.model}) ...")
+    metrics = measure_endpoint_acceptance(endpoint, prompts, settings.eval_max_tokens, concurrency)
+    own = run.artifact / "speculator"
+    if metrics["num_speculative_tokens"] is None and (own / "config.json").is_file():
+        metrics["num_speculative_tokens"] = speculative_tokens(own)  # the server did not say; the run's
+    metrics.update(
+        endpoint=spec.base,
+        served_model=endpoint.model,
+        data=str(data) if data else "builtin:eval",
+        traffic=settings.traffic,
+    )
+    return metrics
+
+
+def run_endpoint_speculator(
+    run: RunDir, settings: SpeculatorSettings, data: Path | None, spec: EndpointSpec, concurrency: int = 1
+) -> dict[str, Any]:
     run.require("quantize")
     endpoint = Endpoint(spec)
     result_dir = f"endpoints/{spec.slug}/speculator"
 
     def body(stage: Stage) -> dict[str, Any]:
-        tokenizer = load_tokenizer(inspect_checkpoint(run.artifact))
-        # The stage's held-out prompts: DATA's last rows, or the eval split (never trained on).
-        _, eval_records = split_data(data, settings.eval_prompts) if data else (None, None)
-        prompts = held_out_prompts(
-            tokenizer,
-            TRAFFIC[settings.traffic],
-            eval_records or None,
-            settings.eval_prompts,
-            settings.max_prompt_tokens,
-        )
-        console.print(f"speculator: {len(prompts)} held-out prompts on {spec.base} ({endpoint.model}) ...")
-        metrics = measure_endpoint_acceptance(endpoint, prompts, settings.eval_max_tokens, concurrency)
-        own = run.artifact / "speculator"
-        if metrics["num_speculative_tokens"] is None and (own / "config.json").is_file():
-            metrics["num_speculative_tokens"] = speculative_tokens(own)  # the server did not say; the run's
-        metrics.update(
-            endpoint=spec.base,
-            served_model=endpoint.model,
-            data=str(data) if data else "builtin:eval",
-            traffic=settings.traffic,
-        )
+        metrics = measure_endpoint(run, settings, data, endpoint, concurrency)
         atomic.write_json(stage.path(f"{result_dir}/metrics.json"), metrics)
         return {key: metrics[key] for key in ("acceptance_length", "num_speculative_tokens", "num_drafts")}
 

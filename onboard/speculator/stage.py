@@ -5,36 +5,51 @@ Outputs: `speculator/data/` (captured shards), `speculator/train.json` (per-epoc
 Work that takes minutes lives in `RUN_DIR/speculator-work/` until the stage finishes: the
 captured data (reused while its inputs are unchanged) and the training checkpoint (resumed from
 its last finished epoch), so an interrupted run picks up where it stopped.
+
+Over the memory budget (`speculator_plan`) no engine is built (`streamed_stage.py`): the data is
+teacher-forced text captured by streaming the checkpoint one decoder layer at a time, the draft
+starts from the checkpoint's tensors, and the acceptance is measured on the deployment given as
+`endpoint`, or recorded as not measured with the command that measures it.
 """
 
-import json
 import time
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from onboard import atomic
+from onboard.budget import StagePlan, human, model_shape, plan_stage, resolve_budget
 from onboard.console import console
+from onboard.endpoint import EndpointSpec
+from onboard.errors import OnboardError
 from onboard.hashing import code_version, hash_json
 from onboard.recipes import SpeculatorSettings
 from onboard.speculator.capture import PACK_TOKENS, capture_shards
 from onboard.speculator.data import (
     TRAFFIC,
+    TrainingSequence,
     default_aux_layers,
     draft_vocabulary,
     generate_responses,
     split_data,
     training_prompts,
 )
-from onboard.speculator.draft import Eagle3Draft, draft_layer_config
+from onboard.speculator.draft import Eagle3Draft
 from onboard.speculator.export import export_speculator
 from onboard.speculator.measure import acceptance_table, held_out_prompts, measure_acceptance
-from onboard.speculator.teacher import data_files_key, resolve_data_files, teacher_forced_answers, teacher_forced_code
-from onboard.speculator.train import TrainSettings, train_draft
-from onboard.speculator.warm_start import describe_init, init_from_last_layer
-from onboard.workspace import RunDir
+from onboard.speculator.streamed_stage import streamed_body, streamed_sequences
+from onboard.speculator.target import engine_draft
+from onboard.speculator.teacher import (
+    data_files_key,
+    resolve_data_files,
+    teacher_forced_answers,
+    teacher_forced_code,
+)
+from onboard.speculator.work import captured_data, data_metrics, finish, train_captured
+from onboard.workspace import RunDir, Stage
 
 DATA_SETTINGS = {  # the settings the captured data depends on
     "traffic",
@@ -82,8 +97,10 @@ def capture_key(
     states_from: Path | None,
     numerics: str,
     answers_key: list[list[str]],
+    path: str = "in-memory",
 ) -> str:
-    """What the captured data depends on: reused only while this is unchanged."""
+    """What the captured data depends on: reused only while this is unchanged. `path`: the
+    memory plan's (generated responses in memory, teacher-forced text streamed)."""
     return hash_json(
         {
             "artifact": artifact_key,
@@ -93,20 +110,58 @@ def capture_key(
             "teacher_forced_data": answers_key,
             "settings": settings.model_dump(include=DATA_SETTINGS),
             "aux_layers": settings.aux_layers,
+            "path": path,
             "code": code_version(),
         }
     )
 
 
+def _extra_sequences(settings: SpeculatorSettings) -> int:
+    """Teacher-forced sequences either path adds: standard-library files and DATA answers."""
+    code = settings.stdlib_files if settings.traffic in ("code", "mixed") else 0
+    return code + (settings.teacher_forced_max_sequences if settings.teacher_forced_data else 0)
+
+
+def generated_tokens(settings: SpeculatorSettings) -> int:
+    """The most tokens of the in-memory path's data, every sequence at its longest: the generated
+    responses and the teacher-forced text. Training loads the states of all of them at once."""
+    response = settings.max_prompt_tokens + settings.max_new_tokens
+    generated = settings.num_prompts * settings.responses_per_prompt * response
+    return generated + _extra_sequences(settings) * settings.max_seq_len
+
+
+def streamed_tokens_bound(settings: SpeculatorSettings) -> int:
+    """The most tokens of the streamed path's data (`streamed_sequences`), each at `max_seq_len`."""
+    return (settings.num_prompts + _extra_sequences(settings)) * settings.max_seq_len
+
+
+def speculator_plan(
+    checkpoint_path: Path,
+    settings: SpeculatorSettings,
+    budget: int,
+    endpoint: bool,
+    streamed_tokens: Callable[[], int] | None = None,
+) -> StagePlan:
+    """In memory (the engine generates, captures and measures) where its data's bound fits
+    `budget`, else streamed over `streamed_tokens()` tokens (the teacher-forced data, tokenized
+    only when it comes to that; None: `streamed_tokens_bound`); a one-line OnboardError when
+    neither fits (`budget.plan_stage`). The paths hold different data, so each is estimated on its
+    own tokens."""
+    shape = model_shape(checkpoint_path)
+    options = "--endpoint URL"
+    # endpoint=True: never a refusal here, that is for the streamed estimate below to make
+    whole = plan_stage("speculator", shape, budget, generated_tokens(settings), endpoint=True, options=options)
+    if whole.path == "in-memory":
+        return whole
+    tokens = streamed_tokens() if streamed_tokens is not None else streamed_tokens_bound(settings)
+    plan = plan_stage("speculator", shape, budget, tokens, endpoint=endpoint, options=options)
+    if plan.path == "in-memory":  # its own, smaller data would fit whole: streaming holds less still
+        plan = replace(plan, path="streamed", bound="embeddings, head, one layer and the data's states")
+    return replace(plan, in_memory=whole.in_memory)
+
+
 def build_draft(engine, vocab: torch.Tensor, aux_layers: list[int], from_last_layer: bool = False) -> Eagle3Draft:
-    torch.manual_seed(0)
-    draft = Eagle3Draft(draft_layer_config(engine.hf_config), len(vocab), aux_layers)
-    draft.set_vocab(vocab)
-    target = engine.target_tensors()
-    draft.init_from_target(target["embed_tokens"], target["lm_head"], target["norm"])
-    if from_last_layer:
-        console.print(describe_init(engine, init_from_last_layer(draft, engine)))
-    return draft
+    return engine_draft(engine, vocab, aux_layers, from_last_layer)
 
 
 def run_speculator(
@@ -116,20 +171,76 @@ def run_speculator(
     states_from: Path | None = None,
     device: str = "cpu",
     numerics: str = "fast",
+    max_memory: int | None = None,
+    endpoint: EndpointSpec | None = None,
 ) -> dict[str, Any]:
     """`states_from`: another checkpoint (e.g. the BF16 original) whose responses and hidden states
     the draft is trained on instead of the artifact's; it is still measured on the artifact.
-    `numerics` (`EngineConfig.numerics`): the engine's, for generation, capture and measurement."""
+    `numerics` (`EngineConfig.numerics`): the engine's, for generation, capture and measurement.
+    Over `max_memory` (bytes; None: the default budget), the data comes from a streamed pass (in
+    exact numerics: transformers' layers) and `endpoint` measures; without one, nothing does."""
+    quantize = run.require("quantize")
+    answers = resolve_data_files(settings.teacher_forced_data)  # a missing file fails before any work
+    budget = resolve_budget(max_memory)
+    sources: dict[str, list[TrainingSequence]] = {}
+
+    def streamed_tokens() -> int:  # the streamed path's data, tokenized for its estimate (no model loaded)
+        from onboard.models import inspect_checkpoint, load_tokenizer
+
+        tokenizer = load_tokenizer(inspect_checkpoint(run.artifact))
+        train_records = split_data(data, settings.eval_prompts)[0] if data else None
+        sources.update(streamed_sequences(tokenizer, settings, train_records, answers))
+        return sum(len(seq.token_ids) for part in sources.values() for seq in part)
+
+    checkpoint = Path(states_from or run.artifact)
+    plan = speculator_plan(checkpoint, settings, budget, endpoint is not None, streamed_tokens)
+    if plan.path == "endpoint":
+        raise OnboardError(
+            f"speculator: training needs about {human(plan.streamed or plan.in_memory)} streamed, over the "
+            f"{human(budget)} budget (--max-memory); a deployment only measures a speculator "
+            f"(onboard speculator {run.root} --endpoint URL)"
+        )
+    streamed = plan.path == "streamed"
+    if streamed:
+        numerics = "exact"  # transformers' layers, as exact numerics' engine computes them
+    answers_key = data_files_key(answers)
+    data_key = capture_key(quantize["key"], settings, data, states_from, numerics, answers_key, plan.path)
+    if streamed:
+        body = streamed_body(run, settings, data, states_from, data_key, sources, endpoint)
+    else:
+        config = engine_config(settings, device, numerics)
+        body = _in_memory_body(run, settings, data, states_from, answers, data_key, config)
+    inputs = {
+        "artifact": str(run.artifact.resolve()),
+        "settings": settings.model_dump(),
+        "data": str(Path(data).resolve()) if data else None,
+        "states_from": str(Path(states_from).resolve()) if states_from else None,
+        "numerics": numerics,
+        "teacher_forced_data": answers_key,
+        "memory_path": plan.path,
+        "endpoint": endpoint.base if streamed and endpoint else None,  # in memory, the engine measures
+    }
+    outputs = ["speculator", "artifact/speculator"]
+    entry = run.run_stage("speculator", inputs, outputs, body)
+    atomic.remove(run.root / "speculator-work")
+    return entry
+
+
+def _in_memory_body(
+    run: RunDir,
+    settings: SpeculatorSettings,
+    data: Path | None,
+    states_from: Path | None,
+    answers: list[Path],
+    data_key: str,
+    config,
+) -> Callable[[Stage], dict[str, Any]]:
+    """The engine generates the responses, captures the states and measures the acceptance."""
     from onboard.engine.llm_engine import LLMEngine
 
-    quantize = run.require("quantize")
     work = run.root / "speculator-work"
-    answers = resolve_data_files(settings.teacher_forced_data)  # a missing file fails before any work
-    answers_key = data_files_key(answers)
-    data_key = capture_key(quantize["key"], settings, data, states_from, numerics, answers_key)
-    config = engine_config(settings, device, numerics)
 
-    def body(stage) -> dict[str, Any]:
+    def body(stage: Stage) -> dict[str, Any]:
         torch.manual_seed(0)
         engine = LLMEngine(run.artifact, config)
         tokenizer = engine.tokenizer
@@ -138,11 +249,8 @@ def run_speculator(
         started = time.perf_counter()
         # With DATA, its last rows are held out and measured on; without, the eval split.
         train_records, eval_records = split_data(data, settings.eval_prompts) if data else (None, None)
-        work_data = work / "data"
-        if (work_data / "KEY").is_file() and (work_data / "KEY").read_text() == data_key:
-            console.print(f"speculator: reusing captured data in {work_data}")
-            index = json.loads((work_data / "index.json").read_text())
-        else:
+
+        def capture(out_dir: Path) -> dict:
             prompts = training_prompts(
                 tokenizer, settings.traffic, train_records, settings.num_prompts, settings.max_prompt_tokens
             )
@@ -159,29 +267,15 @@ def run_speculator(
             if answers:
                 limit, max_prompt = settings.teacher_forced_max_sequences, settings.max_prompt_tokens
                 sequences += teacher_forced_answers(tokenizer, answers, limit, max_prompt, settings.max_seq_len)
-            partial = work / "data.partial"
-            atomic.remove(partial)
-            index = capture_shards(source, sequences, aux_layers, partial)
-            del source
-            (partial / "KEY").write_text(data_key)
-            atomic.remove(work_data)
-            partial.rename(work_data)
+            return capture_shards(source, sequences, aux_layers, out_dir)
+
+        work_data, index = captured_data(work, data_key, capture)
         data_seconds = time.perf_counter() - started
 
         vocab = draft_vocabulary(work_data, settings.draft_vocab_size, engine.vocab_size)
         draft = build_draft(engine, vocab, aux_layers, settings.init_from_last_layer)
-        train = TrainSettings(
-            epochs=settings.epochs,
-            learning_rate=settings.learning_rate,
-            batch_sequences=settings.batch_sequences,
-            max_seq_len=settings.max_seq_len,
-            ttt_steps=settings.num_speculative_tokens,
-        )
-        started = time.perf_counter()
-        resume_key = hash_json({"data": data_key, "settings": settings.model_dump()})
         head = engine.target_tensors()["lm_head"]
-        history = train_draft(draft, work_data, head, train, work / "checkpoint", resume_key)
-        train_seconds = time.perf_counter() - started
+        history, train, train_seconds = train_captured(draft, work, head, settings, data_key)
         k = settings.num_speculative_tokens
         export_speculator(draft, stage.path("artifact/speculator"), run.artifact.resolve(), k)
 
@@ -189,32 +283,16 @@ def run_speculator(
         held_out = held_out_prompts(
             tokenizer, traffic, eval_records or None, settings.eval_prompts, settings.max_prompt_tokens
         )
-        metrics = measure_acceptance(engine, draft, settings.num_speculative_tokens, held_out, settings.eval_max_tokens)
+        metrics = measure_acceptance(engine, draft, k, held_out, settings.eval_max_tokens)
         metrics.update(
             data_seconds=round(data_seconds, 1),
             train_seconds=round(train_seconds, 1),
-            train_tokens=index["num_tokens"],
-            train_sequences=index["num_sequences"],
-            train_traffic=index["traffic"],
-            numerics=numerics,
-            aux_layers=aux_layers,
-            draft_vocab_size=len(vocab),
+            **data_metrics(index, aux_layers, vocab, config.numerics),
+            memory_path="in-memory",
+            measured_on="engine",
         )
-        atomic.write_json(stage.path("speculator/metrics.json"), metrics)
-        atomic.write_json(stage.path("speculator/train.json"), {"history": history, "settings": asdict(train)})
+        finish(stage, metrics, history, train, work)
         console.print(acceptance_table(metrics))
-        work_data.rename(stage.path("speculator/data"))  # last: a failure before this keeps it for the rerun
         return {k: metrics[k] for k in ("acceptance_length", "speedup", "num_speculative_tokens")}
 
-    inputs = {
-        "artifact": str(run.artifact.resolve()),
-        "settings": settings.model_dump(),
-        "data": str(Path(data).resolve()) if data else None,
-        "states_from": str(Path(states_from).resolve()) if states_from else None,
-        "numerics": numerics,
-        "teacher_forced_data": answers_key,
-    }
-    outputs = ["speculator", "artifact/speculator"]
-    entry = run.run_stage("speculator", inputs, outputs, body)
-    atomic.remove(work)
-    return entry
+    return body

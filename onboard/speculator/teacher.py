@@ -5,6 +5,8 @@ it into the target's next-token distribution with the lm_head, so any text can b
 without generating anything: standard-library source (every position trained on), and existing
 answers of DATA files (gsm8k, alpaca / self-instruct, chat), rendered through the chat template
 with the prompt as the user turn and the answer as the assistant turn, only the answer trained on.
+For a target larger than memory (nothing generated), the traffic prompts themselves too
+(`traffic_sequences`): the responses the records carry where they have them, else the prompts.
 """
 
 from itertools import zip_longest
@@ -82,4 +84,29 @@ def teacher_forced_answers(
                 out.append(seq)
         if len(out) >= limit:
             break
+    return out
+
+
+def traffic_sequences(
+    records: list[Record], tokenizer, limit: int, max_prompt_tokens: int, max_tokens: int
+) -> list[TrainingSequence]:
+    """Up to `limit` traffic records teacher-forced, in order: a conversation with an assistant
+    turn through its last one, that response trained on (`answer_sequence`); any other record its
+    prompt as the target receives it (chat template, assistant turn opened), every position
+    trained on. Prompts over `max_prompt_tokens` are skipped, as `training_prompts` skips them."""
+    out: list[TrainingSequence] = []
+    for record in records:
+        if len(out) >= limit:
+            break
+        messages = record.messages or ()
+        last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=None)
+        if last:  # an assistant turn after something to answer
+            answered = Record(record.traffic, record.source, messages=messages[: last + 1])
+            seq = answer_sequence(answered, tokenizer, max_prompt_tokens, max_tokens)
+        else:
+            ids = encode(record, tokenizer, chat=True, generation_prompt=True)
+            fits = 2 < len(ids) <= max_prompt_tokens
+            seq = TrainingSequence(ids[:max_tokens], 1, record.traffic) if fits else None
+        if seq is not None:
+            out.append(seq)
     return out

@@ -8,12 +8,17 @@ H:2H).  The embedding half of q/k/v keeps its seeded random init: the fused stat
 reads is `fc`'s own random projection at the start, so silencing the embedding half would not make
 the layer the target's either; left as nn.Linear initialises it, the ablation measures the copy
 alone.  Families whose last layer is not multi-head attention with a gated MLP (MoE, MLA) keep the
-random init; `init_from_last_layer` says why.
+random init; `init_from_last_layer` says why.  The weights come from the engine's last layer, or
+(a target larger than memory) from transformers' last layer built from the checkpoint alone
+(`checkpoint_layer_weights`, compressed-tensors layers decompressed): the same float32 values.
 """
 
 import torch
 
 from onboard.speculator.draft import Eagle3Draft
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def last_layer_weights(engine) -> dict[str, torch.Tensor] | str:
@@ -21,7 +26,7 @@ def last_layer_weights(engine) -> dict[str, torch.Tensor] | str:
     from onboard.engine.layers.mha import LlamaAttention
     from onboard.engine.layers.mlp import LlamaMLP
 
-    layer = engine.runner.model.layers[-1]
+    layer = engine.decoder_layer(-1)
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if not isinstance(attn, LlamaAttention):
         return f"its last layer's attention is {type(attn).__name__}, not multi-head attention"
@@ -53,7 +58,7 @@ def _notes(engine) -> list[str]:
     """What the draft's layer cannot hold of the target's (copied anyway: it is an init)."""
     from onboard.engine.linear import EngineLinear
 
-    layer = engine.runner.model.layers[-1]
+    layer = engine.decoder_layer(-1)
     notes = []
     if getattr(layer.self_attn, "qk_norm", None) is not None:
         notes.append("its per-head q/k norms")
@@ -65,7 +70,36 @@ def _notes(engine) -> list[str]:
 def init_from_last_layer(draft: Eagle3Draft, engine) -> str | None:
     """Copy the target's last decoder layer into the draft's (module docstring); None when done,
     else the reason it kept the random init (nothing changed then)."""
-    weights = last_layer_weights(engine)
+    return init_from_weights(draft, last_layer_weights(engine))
+
+
+def checkpoint_layer_weights(layer: torch.nn.Module) -> dict[str, torch.Tensor] | str:
+    """`last_layer_weights` of transformers' decoder layer (`CheckpointLayers.layer`), or why none."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if not all(isinstance(getattr(attn, name, None), torch.nn.Linear) for name in _ATTENTION):
+        return f"its last layer's attention is {type(attn).__name__}, not multi-head attention"
+    if not all(isinstance(getattr(mlp, name, None), torch.nn.Linear) for name in _MLP):
+        return f"its last layer's MLP is {type(mlp).__name__}, not a gated MLP"
+    weights = {name: getattr(attn, name).weight.detach().float() for name in _ATTENTION}
+    weights |= {name: getattr(mlp, name).weight.detach().float() for name in _MLP}
+    weights["hidden_norm"] = layer.input_layernorm.weight.detach().float()
+    weights["post_attention_layernorm"] = layer.post_attention_layernorm.weight.detach().float()
+    return weights
+
+
+def checkpoint_layer_notes(layer: torch.nn.Module) -> list[str]:
+    """`_notes` of transformers' decoder layer."""
+    notes = []
+    if getattr(layer.self_attn, "q_norm", None) is not None:
+        notes.append("its per-head q/k norms")
+    if any(isinstance(m, torch.nn.Linear) and m.bias is not None for m in layer.modules()):
+        notes.append("its biases")
+    return notes
+
+
+def init_from_weights(draft: Eagle3Draft, weights: dict[str, torch.Tensor] | str) -> str | None:
+    """Copy `last_layer_weights` (by draft name) into the draft's layer; None when done, else the
+    reason it kept the random init (`weights` itself, or shapes that differ)."""
     if isinstance(weights, str):
         return weights
     ours = draft.layers[0]
@@ -92,8 +126,12 @@ def init_from_last_layer(draft: Eagle3Draft, engine) -> str | None:
 
 def describe_init(engine, reason: str | None) -> str:
     """One console line about how the draft's layer started."""
+    return describe(reason, _notes(engine) if reason is None else [])
+
+
+def describe(reason: str | None, notes: list[str]) -> str:
+    """One console line about how the draft's layer started; `notes`: what it has no place for."""
     if reason is not None:
         return f"speculator: random init of the draft layer ({reason})"
-    notes = _notes(engine)
     unheld = f"; the draft layer has no place for {' and '.join(notes)}" if notes else ""
     return f"speculator: draft layer initialised from the target's last decoder layer{unheld}"

@@ -1,15 +1,15 @@
-"""transformers' pieces of a checkpoint, built one decoder layer at a time from its safetensors.
+"""A checkpoint's transformers pieces, built one decoder layer at a time from its safetensors.
 
-The reference side of layerwise parity (`layerwise.py`): a model larger than memory is never
-loaded whole.  A plain checkpoint's layer is transformers' decoder layer class with the stored
-tensors loaded into it.  A compressed-tensors artifact's layer is that class under
-compressed-tensors' own lifecycle, as `from_pretrained` runs it on a whole model: the layer sits
-at its own name (`model.layers.N`) inside an empty shell, so the config groups' targets and
-ignore patterns match it as they match the whole model; `apply_quantization_config` attaches
-the schemes, `compress_model` lays out the packed parameters the stored tensors fill, and
-`decompress_model` unpacks them, leaving the activation fake-quantization compressed-tensors
-runs in the forward.  Quantized MoE layers are linearized first, as `models/moe_artifact.py`
-loads the whole model.
+What layerwise parity (`onboard.adapt.layerwise`) and the streamed stages
+(`onboard.models.streamed`) run: a model larger than memory is never loaded whole. A plain
+checkpoint's layer is transformers' decoder layer class with the stored tensors loaded into it. A
+compressed-tensors artifact's layer is that class under compressed-tensors' own lifecycle, as
+`from_pretrained` runs it on a whole model: the layer sits at its own name (`model.layers.N`)
+inside an empty shell, so the config groups' targets and ignore patterns match it as they match the
+whole model; `apply_quantization_config` attaches the schemes, `compress_model` lays out the packed
+parameters the stored tensors fill, and `decompress_model` unpacks them, leaving the activation
+fake-quantization compressed-tensors runs in the forward. Quantized MoE layers are linearized
+first, as `models/moe_artifact.py` loads the whole model.
 
 transformers 5 holds a plain checkpoint's MoE experts as fused 3-D tensors that checkpoints
 store per expert; the per-layer load stacks them as its conversion mapping does (gate and up
@@ -19,6 +19,7 @@ concatenated).
 import copy
 import logging
 import re
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +31,23 @@ from onboard.errors import OnboardError
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-def layer_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:
-    out = {}
+def tensor_index(path: Path) -> dict[str, list[str]]:
+    """{shard file: tensor names} from the safetensors headers (nothing is read but headers)."""
+    index = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
-                if name.startswith(prefix):
+            index[str(file)] = list(handle.keys())
+    return index
+
+
+def layer_tensors(path: Path, prefix: str, index: dict[str, list[str]] | None = None) -> dict[str, torch.Tensor]:
+    """The stored tensors whose names start with `prefix`, without it; only their shards are opened."""
+    out = {}
+    for file, names in (index or tensor_index(path)).items():
+        wanted = [name for name in names if name.startswith(prefix)]
+        if wanted:
+            with safe_open(file, framework="pt") as handle:
+                for name in wanted:
                     out[name[len(prefix) :]] = handle.get_tensor(name)
     return out
 
@@ -59,7 +71,17 @@ def _fuse_experts(tensors: dict[str, torch.Tensor], wanted: set[str]) -> dict[st
     return out
 
 
-class ReferenceLayers:
+def check_layerwise(path: Path) -> Any:
+    """The checkpoint's config, or a one-line refusal of what a layer-by-layer run cannot build."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    if any(t == "sliding_attention" for t in getattr(config, "layer_types", None) or []):
+        raise OnboardError("layer-by-layer runs do not build sliding-window masks yet; run this stage in memory")
+    return config
+
+
+class CheckpointLayers:
     """transformers' decoder layers, final norm and rotary embedding for `config`, built on demand."""
 
     def __init__(self, path: Path, config: Any, dtype: torch.dtype, device: torch.device):
@@ -86,24 +108,42 @@ class ReferenceLayers:
         self.norm_cls = type(shell.model.norm)
         self.rotary = type(shell.model.rotary_emb)(config).to(device)
         self.keep_fp32 = set(getattr(shell, "_keep_in_fp32_modules_strict", None) or [])
+        self.index = tensor_index(path)
+        self.live_layers = 0  # decoder layers built here and not yet freed (the memory tests read the peak)
+        self.peak_layers = 0
+
+    def _built(self, module: torch.nn.Module) -> torch.nn.Module:
+        self.live_layers += 1
+        self.peak_layers = max(self.peak_layers, self.live_layers)
+        weakref.finalize(module, self._freed)
+        return module
+
+    def _freed(self) -> None:
+        self.live_layers -= 1
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return layer_tensors(self.path, prefix, self.index)
 
     def layer(self, index: int) -> torch.nn.Module:
-        module = self.layer_cls(self.config, index).to(self.dtype)
+        from transformers.initialization import no_init_weights
+
+        with no_init_weights():  # every parameter is loaded from the checkpoint below
+            module = self.layer_cls(self.config, index).to(self.dtype)
         for name, buffer in list(module.named_buffers()):
             if any(key in name for key in self.keep_fp32):
                 owner, _, leaf = name.rpartition(".")
                 setattr(module.get_submodule(owner) if owner else module, leaf, buffer.float())
         prefix = f"model.layers.{index}."
         if self.quantization is not None:
-            module = self._compressed(module, index, layer_tensors(self.path, prefix))
+            module = self._compressed(module, index, self.tensors(prefix))
         else:
             wanted = set(module.state_dict())
-            tensors = _fuse_experts(layer_tensors(self.path, prefix), wanted)
+            tensors = _fuse_experts(self.tensors(prefix), wanted)
             missing = sorted(wanted - set(tensors))
             if missing:
                 raise OnboardError(f"layerwise parity: model.layers.{index} has no stored {missing[0]}")
             module.load_state_dict({k: tensors[k] for k in wanted}, strict=True)
-        return module.to(self.device).eval()
+        return self._built(module.to(self.device).eval())
 
     def _compressed(self, module: torch.nn.Module, index: int, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
         from onboard.models.compressed import fill_compressed
@@ -129,7 +169,7 @@ class ReferenceLayers:
 
     def norm(self) -> torch.nn.Module:
         norm = self.norm_cls(self.config.hidden_size, eps=self.config.rms_norm_eps)
-        norm.load_state_dict({"weight": layer_tensors(self.path, "model.norm.")["weight"]})
+        norm.load_state_dict({"weight": self.tensors("model.norm.")["weight"]})
         return norm.to(device=self.device, dtype=self.dtype)
 
     def mask(self, embeds: torch.Tensor, position_ids: torch.Tensor):
