@@ -49,6 +49,22 @@ def _legacy_aliases_hidden() -> Iterator[None]:
         sys.modules.update(hidden)
 
 
+@contextlib.contextmanager
+def conversion_mappings_kept() -> Iterator[None]:
+    """The linearized load registers, process-wide, transformers' checkpoint conversion mappings of
+    the architecture family (and saving needs them); they go back as they were afterwards, or every
+    later MoE model saved in the process (a test's fixture, say) would be saved linearized."""
+    import copy
+
+    import transformers.conversion_mapping as mapping
+
+    saved = copy.copy(mapping._checkpoint_conversion_mapping_cache)
+    try:
+        yield
+    finally:
+        mapping._checkpoint_conversion_mapping_cache = saved
+
+
 def load_offloaded(checkpoint: Checkpoint, offload: Path) -> torch.nn.Module:
     """The model with no weight in memory: each stays in its safetensors file or, once changed, in
     `offload`, and is read when its layer runs; oneshot then calibrates one decoder layer at a

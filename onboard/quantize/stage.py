@@ -19,7 +19,7 @@ from onboard.quantize.auto import Selection
 from onboard.quantize.bits import effective_bits, is_quantizable, layer_bits
 from onboard.quantize.calibration import calibration_dataset
 from onboard.quantize.modifiers import needs_calibration
-from onboard.quantize.offloaded import load_offloaded
+from onboard.quantize.offloaded import conversion_mappings_kept, load_offloaded
 from onboard.quantize.schemes import LADDERS, SCHEMES
 from onboard.recipes import Quantize
 from onboard.workspace import RunDir, Stage
@@ -61,14 +61,13 @@ def run_quantize(
         torch.manual_seed(0)
         tokenizer = load_tokenizer(checkpoint)
         offload = stage.staging / "offload"
-        if plan.path == "streamed":
-            console.print(f"quantize streamed ({human(plan.streamed)} estimated; in memory {human(plan.in_memory)})")
-            map_large_blocks()
-            model = load_offloaded(checkpoint, offload)
-        else:
-            model = load_model(checkpoint)
+        if plan.path != "streamed":
+            return quantized(stage, load_model(checkpoint), tokenizer)
+        console.print(f"quantize streamed ({human(plan.streamed)} estimated; in memory {human(plan.in_memory)})")
+        map_large_blocks()
         try:
-            return quantized(stage, model, tokenizer)
+            with conversion_mappings_kept():
+                return quantized(stage, load_offloaded(checkpoint, offload), tokenizer)
         finally:
             shutil.rmtree(offload, ignore_errors=True)
 

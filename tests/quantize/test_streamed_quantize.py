@@ -10,7 +10,7 @@ from onboard.errors import OnboardError
 from onboard.models import inspect_checkpoint, load_tokenizer
 from onboard.quantize import modifiers
 from onboard.quantize.calibration import calibration_dataset
-from onboard.quantize.offloaded import load_offloaded
+from onboard.quantize.offloaded import conversion_mappings_kept, load_offloaded
 from onboard.quantize.stage import quantize_plan, run_quantize
 from onboard.recipes import Calibration, Quantize
 from onboard.workspace import RunDir
@@ -53,7 +53,8 @@ def test_calibration_holds_one_decoder_layer(tiny_deepseek_v3: Path, tmp_path: P
     from compressed_tensors.offload.cache import OffloadCache
 
     checkpoint = inspect_checkpoint(tiny_deepseek_v3)
-    model = load_offloaded(checkpoint, tmp_path / "offload")
+    with conversion_mappings_kept():
+        model = load_offloaded(checkpoint, tmp_path / "offload")
     layers = model.model.layers
     owner = {}
     for index, layer in enumerate(layers):
