@@ -35,6 +35,7 @@ STREAMED_HOLDS = {
     "eval": "one layer per model, the tokens' states",
     "adapt": "one layer per side, the prompts' states",
     "speculator": "one layer, the captured states",
+    "selection": "one module of one format, the reference's log-probabilities",
 }
 
 
@@ -188,8 +189,15 @@ def estimate(stage: str, shape: ModelShape, tokens: int, reference: ModelShape |
             base + shape.total_bytes + 5 * states + _logits(shape) + draft,
             base + shape.other_bytes + 2 * shape.largest_layer + 5 * states + _logits(shape) + draft,
         )
-    if stage == "selection":  # a copy per format: BF16, FP8, NVFP4
-        return base + 3 * shape.total_bytes + _logits(shape), None
+    if stage == "selection":
+        # The reference's log-probabilities on the search tokens (float32 over the vocabulary) and
+        # its decoder layers' inputs, twice (the reference's and the best candidate's), beside a
+        # model per format (BF16, FP8, NVFP4) in memory, or one module of one of them streamed (the
+        # formats' copies calibrate one layer at a time first: quantize's streamed peak).
+        replay = tokens * shape.vocab_size * 4 + 2 * shape.num_layers * states + _logits(shape)
+        quantize = estimate("quantize", shape, tokens)[1] or 0
+        streamed = base + shape.other_bytes + 2 * shape.largest_layer + replay
+        return base + 3 * shape.total_bytes + replay, max(streamed, quantize)
     if stage in GENERATING:
         return base + 2 * shape.total_bytes + _logits(shape), None
     raise ValueError(stage)

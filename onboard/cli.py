@@ -70,7 +70,11 @@ def quantize(
 ) -> None:
     """Quantize MODEL with llmcompressor into RUN_DIR/artifact (compressed-tensors); `--scheme auto`
     chooses each group's format under `--bits-budget` by measured end-to-end KL. Over --max-memory,
-    llm-compressor loads the model offloaded and calibrates one decoder layer at a time."""
+    llm-compressor loads the model offloaded and calibrates one decoder layer at a time. Under
+    `torchrun --nproc-per-node N -m onboard quantize ...` the N processes split the calibration
+    samples (llm-compressor's distributed oneshot) and rank 0 writes the run."""
+    from onboard.quantize import distributed
+
     overrides = {
         "--scheme": ("quantize.scheme", scheme),
         "--bits-budget": ("quantize.bits_budget", bits_budget),
@@ -81,18 +85,24 @@ def quantize(
         "--num-samples": ("quantize.calibration.num_samples", num_samples),
         "--max-seq-length": ("quantize.calibration.max_seq_length", max_seq_length),
     }
-    run_pipeline(
-        model,
-        out,
-        ["quantize"],
-        recipe,
-        overrides,
-        calib,
-        None,
-        allow_pickle,
-        trust_remote_code,
-        max_memory=memory_budget(max_memory),
-    )
+    budget = memory_budget(max_memory)
+    distributed.init()
+    try:
+        with distributed.run_root(out) as root:
+            run_pipeline(
+                model,
+                root,
+                ["quantize"],
+                recipe,
+                overrides,
+                calib,
+                None,
+                allow_pickle,
+                trust_remote_code,
+                max_memory=budget,
+            )
+    finally:
+        distributed.finish()
 
 
 @app.command("eval")

@@ -61,9 +61,16 @@ def bench_quant(
             "--search-tokens": ("quantize.search.tokens", search_tokens),
         },
     )
-    from onboard.budget import model_shape, plan_stage
+    from onboard.budget import human, model_shape, plan_stage
+    from onboard.errors import OnboardError
 
-    # A model copy per format and per method, scored in memory: no streamed path, so over the
-    # budget it refuses before loading anything.
-    plan_stage("selection", model_shape(checkpoint.path), memory_budget(max_memory), settings.quantize.search.tokens)
+    # A model copy per format and per method, scored in memory: the comparison has no streamed
+    # path (`quantize --scheme auto` has), so over the budget it refuses before loading anything.
+    budget = memory_budget(max_memory)
+    plan = plan_stage("selection", model_shape(checkpoint.path), budget, settings.quantize.search.tokens)
+    if plan.path != "in-memory":
+        raise OnboardError(
+            f"bench-quant holds a model per format and method (about {human(plan.in_memory)}), over the "
+            f"{human(budget)} budget (--max-memory); `onboard quantize --scheme auto` selects streamed"
+        )
     run_bench_quant(checkpoint, settings, chosen, existing_data(calib), existing_data(data), out)

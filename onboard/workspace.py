@@ -123,6 +123,19 @@ class RunDir:
             raise OnboardError(f"{self.root} has no finished '{name}' stage; run `onboard {name}` first")
         return entry
 
+    def cached(self, name: str, inputs: dict[str, Any], outputs: list[str]) -> dict[str, Any] | None:
+        """The entry of a finished run of `name` with these inputs and its outputs in place, else None."""
+        key = hash_json({**inputs, "code": code_version()})
+        previous = self.manifest()["stages"].get(name)
+        if (
+            previous
+            and previous.get("status") == "done"
+            and previous.get("key") == key
+            and all((self.root / out).exists() for out in outputs)
+        ):
+            return previous
+        return None
+
     def run_stage(
         self,
         name: str,
@@ -131,18 +144,14 @@ class RunDir:
         body: Callable[[Stage], dict[str, Any]],
     ) -> dict[str, Any]:
         """Run `body` unless a finished run with the same inputs is recorded; return its entry."""
+        cached = self.cached(name, inputs, outputs)
+        if cached is not None:
+            _console.print(f"[bold]{name}[/]: cached, inputs unchanged ({self.root / MANIFEST})")
+            return cached
         inputs = {**inputs, "code": code_version()}
         key = hash_json(inputs)
         manifest = self.manifest()
         previous = manifest["stages"].get(name)
-        if (
-            previous
-            and previous.get("status") == "done"
-            and previous.get("key") == key
-            and all((self.root / out).exists() for out in outputs)
-        ):
-            _console.print(f"[bold]{name}[/]: cached, inputs unchanged ({self.root / MANIFEST})")
-            return previous
         if previous and previous.get("status") == "running":
             _console.print(f"[yellow]{name}[/]: an earlier run did not finish; redoing it")
 

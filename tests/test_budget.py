@@ -72,7 +72,7 @@ def test_a_plan_prefers_memory_then_streaming_then_an_endpoint(tiny_llama: Path)
 
 def test_more_tokens_more_memory(tiny_llama: Path) -> None:
     shape = model_shape(tiny_llama)
-    for stage in ("quantize", "eval", "adapt", "speculator"):
+    for stage in ("quantize", "eval", "adapt", "speculator", "selection"):
         small, big = estimate(stage, shape, 100), estimate(stage, shape, 10_000)
         assert small[0] < big[0] and small[1] < big[1], stage
 
@@ -105,3 +105,16 @@ def test_run_plans_the_stages_it_is_given(tiny_llama: Path, tmp_path: Path, caps
     assert "memory plan" in stdout + stderr
     stages = json.loads((out / "manifest.json").read_text())["stages"]
     assert stages["eval"]["metrics"]["memory_path"] == "streamed"
+
+
+def test_bench_quant_over_its_in_memory_peak_refuses_before_loading(tiny_llama: Path, tmp_path: Path, capsys) -> None:
+    """bench-quant compares methods on in-memory copies: a budget that only the streamed selection
+    fits is refused in one line pointing at `quantize --scheme auto`, and nothing is written."""
+    in_memory, streamed = estimate("selection", model_shape(tiny_llama), 2048)
+    out = tmp_path / "bench.json"
+    argv = ["bench-quant", str(tiny_llama), "--out", str(out), "--max-memory", str((in_memory + streamed) // 2)]
+    code, _, err = onboard(argv, capsys)
+    assert code != 0
+    line = one_line_error(err)
+    assert line.startswith("onboard: error: bench-quant holds a model per format") and "--scheme auto" in line
+    assert not out.exists()

@@ -1,6 +1,8 @@
 """`scheme: auto`: per-group formats under a bits budget, chosen by measured end-to-end KL."""
 
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,6 +14,7 @@ from onboard.quantize.compose import Composer
 from onboard.quantize.groups import Group, decision_groups, effective_bits
 from onboard.quantize.knapsack import additive_selection, check_budget, predicted_kl
 from onboard.quantize.modifiers import quantized_copy
+from onboard.quantize.offloaded import is_offloaded
 from onboard.quantize.schemes import LADDERS
 from onboard.quantize.search import Measurer, measured_search
 from onboard.quantize.sensitivity import fisher_sensitivity, measured_sensitivity, rank_correlation
@@ -23,6 +26,21 @@ def search_windows(dataset: Dataset, tokens: int) -> torch.Tensor:
     ids = torch.tensor(dataset["input_ids"])
     count = min(len(ids), max(1, round(tokens / ids.shape[1])))
     return ids[:count, : min(ids.shape[1], tokens)]
+
+
+def artifact_kld(replay: LayerReplay, artifact: Path) -> float:
+    """The saved artifact's mean KL against the replay's reference on the search tokens, the artifact
+    run one decoder layer at a time (`StreamedModel`).  A streamed quantize scores the artifact so,
+    not its offloaded model: compressed-tensors 0.19's quantized forward fake-quantizes the weight
+    it read, then runs the plain forward, which reads `self.weight` again, and offloading hands
+    it a fresh copy of the unquantized weight."""
+    from onboard.models.streamed import StreamedModel
+
+    model = StreamedModel(artifact)
+    hidden = model.final_hidden([replay.input_ids], "the artifact on the search tokens")[0]
+    with torch.inference_mode():
+        normed = model.norm()(hidden)
+    return float(replay.kl(normed.reshape(-1, normed.shape[-1])).mean())
 
 
 def pinned_patterns(groups: list[Group], assignment: dict[str, str], base: str) -> dict[str, list[str]]:
@@ -45,18 +63,36 @@ def pinned_patterns(groups: list[Group], assignment: dict[str, str], base: str) 
     return {fmt: sorted(patterns) for fmt, patterns in sorted(pinned.items())}
 
 
+FISHER_STREAMED = "not estimated on offloaded models: it needs a backward pass through the whole model"
+
+
 class Selection:
     """Sources, groups and measurements of one model; `select(budget)` may be called for several
-    budgets (the benchmark does), the sensitivities being measured once."""
+    budgets (the benchmark does), the sensitivities being measured once.
 
-    def __init__(self, model, tokenizer, settings: Quantize, dataset: Dataset, budgets: list[float]) -> None:
+    `source(fmt)` makes the model with every target in `fmt`; by default `quantized_copy` of `model`
+    in memory.  With `model` offloaded (`load_offloaded(linearized=False)`) and `offloaded_copy`
+    sources, every measurement is the same, bit for bit, with one module's weights in memory at a
+    time: the forwards read each module from disk as it runs (selection streamed).  The Fisher
+    estimate, a diagnostic beside the measured sensitivities, is then left out."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        settings: Quantize,
+        dataset: Dataset,
+        budgets: list[float],
+        source: Callable[[str], torch.nn.Module] | None = None,
+    ) -> None:
         self.settings = settings
         self.ladder = LADDERS[settings.base]
         self.seconds: dict[str, float] = {}
         self.sources = {}
+        source = source or (lambda fmt: quantized_copy(model, tokenizer, settings, fmt, dataset))
         for fmt in self.ladder[:-1]:  # BF16 is the model itself
             clock = time.perf_counter()
-            self.sources[fmt] = quantized_copy(model, tokenizer, settings, fmt, dataset)
+            self.sources[fmt] = source(fmt)
             self.seconds[f"source:{fmt}"] = time.perf_counter() - clock
         self.seconds["sources"] = sum(self.seconds.values())
         self.groups = decision_groups(self.sources[settings.base])
@@ -69,9 +105,13 @@ class Selection:
         console.print(f"sensitivity: {len(self.groups)} groups x {formats} on {self.replay.num_tokens} tokens")
         self.measured = measured_sensitivity(self.replay, self.composer, formats)
         self.seconds["sensitivity"] = time.perf_counter() - clock
-        clock = time.perf_counter()
-        self.fisher = fisher_sensitivity(self.replay, self.composer, formats)
-        self.seconds["fisher"] = time.perf_counter() - clock
+        self.fisher_note = FISHER_STREAMED if is_offloaded(model) else None
+        if self.fisher_note:
+            self.fisher = {g.name: dict.fromkeys(formats) for g in self.groups}
+        else:
+            clock = time.perf_counter()
+            self.fisher = fisher_sensitivity(self.replay, self.composer, formats)
+            self.seconds["fisher"] = time.perf_counter() - clock
 
     def uniform(self) -> dict[str, str]:
         return {g.name: self.settings.base for g in self.groups}
@@ -93,6 +133,7 @@ class Selection:
                 "measured": self.measured,
                 "fisher": self.fisher,
                 "rank_correlation": rank_correlation(self.measured, self.fisher),
+                **({"fisher_note": self.fisher_note} if self.fisher_note else {}),
             },
             "additive": self._summary(start, trace[0]["mean_kld"]),
             "final": self._summary(final, min(row["best_kld"] for row in trace)),

@@ -66,16 +66,34 @@ def quantized_copy(model, tokenizer, settings: Quantize, fmt: str, dataset: Data
     weight and the module marked compressed (its forward then quantizes activations alone).
     The logits are identical; only the search's copies are treated so, never an artifact.
     """
+    quantized = copy.deepcopy(model)
+    _quantize_once(quantized, tokenizer, settings, fmt, dataset)
+    return quantized.eval()
+
+
+def offloaded_copy(checkpoint, offload, tokenizer, settings: Quantize, fmt: str, dataset: Dataset | None):
+    """`quantized_copy` of a checkpoint larger than memory: loaded offloaded (`load_offloaded`),
+    calibrated one layer at a time, its quantized weights written to `offload` (a bf16 copy of
+    every target on disk), never more than one module's weights in memory."""
+    from onboard.quantize.offloaded import load_offloaded
+
+    quantized = load_offloaded(checkpoint, offload)
+    _quantize_once(quantized, tokenizer, settings, fmt, dataset)
+    return quantized.eval()
+
+
+def _quantize_once(model, tokenizer, settings: Quantize, fmt: str, dataset: Dataset | None) -> None:
+    from compressed_tensors.offload import update_offload_parameter
     from compressed_tensors.quantization import QuantizationStatus
     from compressed_tensors.quantization.lifecycle.forward import forward_quantize
 
-    quantized = copy.deepcopy(model)
     calibrated = dataset if needs_calibration(settings, {fmt}) else None
-    apply(quantized, tokenizer, modifier(settings, fmt), calibrated, settings.calibration.max_seq_length)
+    apply(model, tokenizer, modifier(settings, fmt), calibrated, settings.calibration.max_seq_length)
     with torch.no_grad():
-        for module in quantized.modules():
+        for module in model.modules():
             scheme = getattr(module, "quantization_scheme", None)
             if scheme is not None and scheme.weights is not None:
-                module.weight.data = forward_quantize(module, module.weight.data, "weight", scheme.weights)
+                # in place, or into the offload folder where the module is offloaded
+                quantized = forward_quantize(module, module.weight.data, "weight", scheme.weights)
+                update_offload_parameter(module, "weight", quantized)
                 module.quantization_status = QuantizationStatus.COMPRESSED
-    return quantized.eval()

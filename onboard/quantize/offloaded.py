@@ -65,18 +65,23 @@ def conversion_mappings_kept() -> Iterator[None]:
         mapping._checkpoint_conversion_mapping_cache = saved
 
 
-def load_offloaded(checkpoint: Checkpoint, offload: Path) -> torch.nn.Module:
+def load_offloaded(checkpoint: Checkpoint, offload: Path, linearized: bool = True) -> torch.nn.Module:
     """The model with no weight in memory: each stays in its safetensors file or, once changed, in
     `offload`, and is read when its layer runs; oneshot then calibrates one decoder layer at a
     time.  (With 2.7 GB of weights kept in memory, the compression at save time, which copies what
-    is resident, took a 16 GB model past its 6 GB cgroup; the page cache serves re-reads anyway.)"""
+    is resident, took a 16 GB model past its 6 GB cgroup; the page cache serves re-reads anyway.)
+
+    `linearized=False` keeps transformers' fused MoE experts: the model as `load_model` has it in
+    memory, the reference a selection measures against (not one oneshot can quantize)."""
+    from compressed_tensors.offload import load_offloaded_model
     from llmcompressor.modeling.moe.conversion_mappings import ARCH_TO_IMPORT_PATHS
     from llmcompressor.utils import load_context
     from transformers import AutoModelForCausalLM
 
     for model_type, paths in MOE_LAYOUTS.items():
         ARCH_TO_IMPORT_PATHS.setdefault(model_type, paths)
-    with _legacy_aliases_hidden(), load_context(AutoModelForCausalLM):
+    loading = load_context if linearized else load_offloaded_model
+    with _legacy_aliases_hidden(), loading(AutoModelForCausalLM):
         model = AutoModelForCausalLM.from_pretrained(
             checkpoint.path,
             dtype=torch.bfloat16,
@@ -88,6 +93,13 @@ def load_offloaded(checkpoint: Checkpoint, offload: Path) -> torch.nn.Module:
         )
     _keep_in_fp32(model)
     return model.eval()
+
+
+def is_offloaded(model: torch.nn.Module) -> bool:
+    """Whether compressed-tensors offloads the model's weights (read from disk as each module runs)."""
+    from compressed_tensors.offload.cache import OffloadCache
+
+    return any(isinstance(module._parameters, OffloadCache) for module in model.modules())
 
 
 def _keep_in_fp32(model: torch.nn.Module) -> None:

@@ -2,24 +2,25 @@
 
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from onboard import atomic
-from onboard.budget import StagePlan, human, model_shape, plan_stage, resolve_budget
+from onboard.budget import STREAMED_HOLDS, StagePlan, human, model_shape, plan_stage, resolve_budget
 from onboard.console import console
 from onboard.hashing import fingerprint
 from onboard.memory import map_large_blocks
 from onboard.models import Checkpoint, load_model, load_tokenizer
 from onboard.paths import CALIBRATION_DIR
-from onboard.quantize import modifiers
-from onboard.quantize.auto import Selection
+from onboard.quantize import distributed, modifiers
+from onboard.quantize.auto import Selection, artifact_kld
 from onboard.quantize.bits import effective_bits, is_quantizable, layer_bits
 from onboard.quantize.calibration import calibration_dataset
-from onboard.quantize.modifiers import needs_calibration
-from onboard.quantize.offloaded import conversion_mappings_kept, load_offloaded
+from onboard.quantize.modifiers import needs_calibration, offloaded_copy
+from onboard.quantize.offloaded import conversion_mappings_kept, is_offloaded, load_offloaded
 from onboard.quantize.schemes import LADDERS, SCHEMES
 from onboard.recipes import Quantize
 from onboard.workspace import RunDir, Stage
@@ -42,13 +43,16 @@ def quantize_inputs(checkpoint: Checkpoint, settings: Quantize, calib: Path | No
 
 def quantize_plan(checkpoint: Checkpoint, settings: Quantize, budget: int) -> StagePlan:
     """In memory, or streamed through llm-compressor's offloaded loading and sequential pipeline
-    (the calibration samples' inputs of one layer resident).  The search of `auto` holds a copy
-    of the model per format and has no streamed path yet."""
+    (the calibration samples' inputs of one layer resident).  `auto` plans its selection, which
+    holds the most (a model per format and the reference's distribution on the search tokens)."""
     shape = model_shape(checkpoint.path)
     if settings.scheme == "auto":
-        plan_stage("selection", shape, budget, settings.search.tokens)
+        return replace(plan_stage("selection", shape, budget, settings.search.tokens), stage="quantize")
     tokens = settings.calibration.num_samples * settings.calibration.max_seq_length
-    return plan_stage("quantize", shape, budget, tokens)
+    plan = plan_stage("quantize", shape, budget, tokens)
+    if distributed.world_size() > 1 and plan.path == "in-memory":  # distributed oneshot loads offloaded
+        plan = replace(plan, path="streamed", bound=STREAMED_HOLDS["quantize"])
+    return plan
 
 
 def run_quantize(
@@ -56,32 +60,55 @@ def run_quantize(
 ) -> dict[str, Any]:
     budget = resolve_budget(max_memory)
     plan = quantize_plan(checkpoint, settings, budget)
+    distributed.check(settings.scheme, settings.calibration.num_samples)
 
     def body(stage: Stage) -> dict[str, Any]:
         torch.manual_seed(0)
         tokenizer = load_tokenizer(checkpoint)
-        offload = stage.staging / "offload"
         if plan.path != "streamed":
-            return quantized(stage, load_model(checkpoint), tokenizer)
+            model = load_model(checkpoint)
+            return quantized(stage, model, tokenizer, selected(model, tokenizer, None))
         console.print(f"quantize streamed ({human(plan.streamed)} estimated; in memory {human(plan.in_memory)})")
         map_large_blocks()
+        offload = stage.staging / "offload"
         try:
             with conversion_mappings_kept():
-                return quantized(stage, load_offloaded(checkpoint, offload), tokenizer)
+                picked = None
+                if settings.scheme == "auto":
+                    # The reference with transformers' own (fused) experts, as `load_model` has it,
+                    # and one offloaded copy per format, whose quantized weights go to disk.
+                    reference = load_offloaded(checkpoint, offload / "reference", linearized=False)
+                    picked = selected(reference, tokenizer, offload)
+                    sources = picked[0].sources
+                    for fmt in list(sources):  # their disk copies are not needed any more
+                        del sources[fmt]
+                        shutil.rmtree(offload / fmt, ignore_errors=True)
+                return quantized(stage, load_offloaded(checkpoint, offload / "artifact"), tokenizer, picked)
         finally:
             shutil.rmtree(offload, ignore_errors=True)
 
-    def quantized(stage: Stage, model, tokenizer) -> dict[str, Any]:
+    def selected(model, tokenizer, offload: Path | None) -> tuple[Selection, dict[str, Any], Any] | None:
+        """`auto`'s selection, its record and the calibration set it was measured on, or None."""
+        if settings.scheme != "auto":
+            return None
+        dataset = calibration_dataset(tokenizer, settings.calibration, calib)
+        console.print(f"selecting formats from {LADDERS[settings.base]} under {settings.bits_budget} bits per weight")
+        source = None
+        if offload is not None:
+
+            def source(fmt: str):
+                return offloaded_copy(checkpoint, offload / fmt, tokenizer, settings, fmt, dataset)
+
+        selection = Selection(model, tokenizer, settings, dataset, [settings.bits_budget], source)
+        _, record = selection.select(settings.bits_budget, settings.search.steps)
+        return selection, record, dataset
+
+    def quantized(stage: Stage, model, tokenizer, picked: tuple[Selection, dict[str, Any], Any] | None) -> dict:
         dataset = None
         auto: dict[str, Any] = {}
         scheme, pinned = settings.scheme, dict(settings.formats)
-        if settings.scheme == "auto":
-            dataset = calibration_dataset(tokenizer, settings.calibration, calib)
-            console.print(
-                f"selecting formats from {LADDERS[settings.base]} under {settings.bits_budget} bits per weight"
-            )
-            selection = Selection(model, tokenizer, settings, dataset, [settings.bits_budget])
-            _, auto = selection.select(settings.bits_budget, settings.search.steps)
+        if picked is not None:
+            selection, auto, dataset = picked
             scheme, pinned = settings.base, auto["pinned"]
         console.print(f"quantizing {checkpoint.path.name} to {scheme}: {SCHEMES[scheme].summary}")
         for fmt, patterns in sorted(pinned.items()):
@@ -93,10 +120,11 @@ def run_quantize(
             model,
             tokenizer,
             modifiers.modifier(settings, scheme, pinned),
-            calibrated,
+            None if calibrated is None else distributed.share(calibrated),
             settings.calibration.max_seq_length,
         )
-        if auto:  # the artifact scored on the search's tokens: equal to the search's best under RTN
+        offloaded = is_offloaded(model)
+        if auto and not offloaded:  # the artifact scored on the search's tokens: the search's best under RTN
             auto["artifact_kld"] = selection.replay.mean_kl()[0]
 
         artifact = stage.path("artifact")
@@ -104,6 +132,8 @@ def run_quantize(
         # an offloaded model is gathered one shard at a time.
         model.save_pretrained(artifact, save_compressed=True, max_shard_size=SHARD_SIZE)
         tokenizer.save_pretrained(artifact)
+        if auto and offloaded:
+            auto["artifact_kld"] = artifact_kld(selection.replay, artifact)
         # llmcompressor leaves the recipe it applied beside the weights; keep it, it is data.
         layers = layer_bits(artifact)
         bits = effective_bits(layers)
@@ -131,9 +161,8 @@ def run_quantize(
         }
 
     os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "WARNING")
-    return run.run_stage(
-        "quantize",
-        quantize_inputs(checkpoint, settings, calib),
-        outputs=["artifact", "quantize"],
-        body=body,
-    )
+    inputs, outputs = quantize_inputs(checkpoint, settings, calib), ["artifact", "quantize"]
+    # Under torchrun every rank calibrates or none does: rank 0's run directory decides.
+    if not distributed.from_source(run.cached("quantize", inputs, outputs) is None) and distributed.rank() != 0:
+        return {}
+    return run.run_stage("quantize", inputs, outputs=outputs, body=body)
