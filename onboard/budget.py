@@ -93,6 +93,7 @@ class ModelShape:
     other_bytes: int  # embeddings, final norm, head, anything outside the decoder layers
     hidden_size: int
     vocab_size: int
+    intermediate_size: int = 0  # the dense MLP's (0: not in the config)
 
     @property
     def largest_layer(self) -> int:
@@ -134,6 +135,7 @@ def model_shape(path: Path) -> ModelShape:
         other_bytes=other,
         hidden_size=int(text.get("hidden_size", 0)),
         vocab_size=int(text.get("vocab_size", 0)),
+        intermediate_size=int(text.get("intermediate_size") or 0),
     )
 
 
@@ -183,24 +185,35 @@ def estimate(stage: str, shape: ModelShape, tokens: int, reference: ModelShape |
         )
     if stage == "speculator":
         # The captured data: three aux layers' states and the final state per token, and the
-        # running state while capturing; the draft's float32 copy of the embedding table.
-        draft = 4 * shape.vocab_size * shape.hidden_size
+        # running state while capturing (the draft's training: `draft_training`).
         return (
-            base + shape.total_bytes + 5 * states + _logits(shape) + draft,
-            base + shape.other_bytes + 2 * shape.largest_layer + 5 * states + _logits(shape) + draft,
+            base + shape.total_bytes + 5 * states + _logits(shape),
+            base + shape.other_bytes + 2 * shape.largest_layer + 5 * states + _logits(shape),
         )
     if stage == "selection":
         # The reference's log-probabilities on the search tokens (float32 over the vocabulary) and
         # its decoder layers' inputs, twice (the reference's and the best candidate's), beside a
-        # model per format (BF16, FP8, NVFP4) in memory, or one module of one of them streamed (the
-        # formats' copies calibrate one layer at a time first: quantize's streamed peak).
+        # model per format (BF16, FP8, NVFP4) and the Fisher estimate's float32 squared gradients
+        # and gradients in memory, or one module of one of them streamed (no Fisher estimate).
         replay = tokens * shape.vocab_size * 4 + 2 * shape.num_layers * states + _logits(shape)
-        quantize = estimate("quantize", shape, tokens)[1] or 0
-        streamed = base + shape.other_bytes + 2 * shape.largest_layer + replay
-        return base + 3 * shape.total_bytes + replay, max(streamed, quantize)
+        return base + 6 * shape.total_bytes + replay, base + shape.other_bytes + 2 * shape.largest_layer + replay
     if stage in GENERATING:
         return base + 2 * shape.total_bytes + _logits(shape), None
     raise ValueError(stage)
+
+
+def draft_training(shape: ModelShape, batch_tokens: int, steps: int, draft_vocab: int) -> int:
+    """The EAGLE-3 draft's training, beside the data it trains on: the float32 frozen embedding table
+    and head (the draft's and the loss's copy), the trainable `fc` (3 states in, H out) and decoder
+    layer (attention reading 2H, the target's MLP width) with AdamW's gradient and two moments per
+    weight, and each training-time-test step's activations over one batch (layer widths and the
+    draft vocabulary's logits, their log-softmax and gradient).  On the 16 GB scale checkpoint (H
+    2048, MLP 6144) 4x512-token batches gave 3.5 GB here, and the run they were in went past 6 GB."""
+    hidden, width = shape.hidden_size, shape.intermediate_size or 4 * shape.hidden_size
+    frozen = 4 * (shape.vocab_size + 2 * draft_vocab) * hidden
+    trainable = 3 * hidden * hidden + 7 * hidden * hidden + 3 * hidden * width
+    activations = 4 * batch_tokens * steps * (12 * hidden + 3 * width + 3 * draft_vocab)
+    return frozen + 16 * trainable + activations
 
 
 def plan_stage(
@@ -212,10 +225,12 @@ def plan_stage(
     reference: ModelShape | None = None,
     endpoint: bool = False,
     options: str = "",
+    peaks: tuple[int, int | None] | None = None,
 ) -> StagePlan:
     """The path `stage` takes under `budget`, or a one-line refusal (naming `options`, the flags
-    that would let it run through a deployment) when none fits."""
-    in_memory, streamed = estimate(stage, shape, tokens, reference)
+    that would let it run through a deployment) when none fits.  `peaks`: (in memory, streamed)
+    where the stage runs several estimated parts (quantize's selection, then its calibration)."""
+    in_memory, streamed = peaks or estimate(stage, shape, tokens, reference)
     if in_memory <= budget:
         return StagePlan(stage, in_memory, streamed, "in-memory", "whole model resident")
     if streamed is not None and streamed <= budget:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from onboard import atomic
-from onboard.budget import STREAMED_HOLDS, StagePlan, human, model_shape, plan_stage, resolve_budget
+from onboard.budget import STREAMED_HOLDS, StagePlan, estimate, human, model_shape, plan_stage, resolve_budget
 from onboard.console import console
 from onboard.hashing import fingerprint
 from onboard.memory import map_large_blocks
@@ -46,10 +46,15 @@ def quantize_plan(checkpoint: Checkpoint, settings: Quantize, budget: int) -> St
     (the calibration samples' inputs of one layer resident).  `auto` plans its selection, which
     holds the most (a model per format and the reference's distribution on the search tokens)."""
     shape = model_shape(checkpoint.path)
-    if settings.scheme == "auto":
-        return replace(plan_stage("selection", shape, budget, settings.search.tokens), stage="quantize")
     tokens = settings.calibration.num_samples * settings.calibration.max_seq_length
-    plan = plan_stage("quantize", shape, budget, tokens)
+    peaks = None
+    if settings.scheme == "auto":  # the selection, then the formats' copies and the artifact calibrate
+        selection, calibration = (
+            estimate("selection", shape, settings.search.tokens),
+            estimate("quantize", shape, tokens),
+        )
+        peaks = (max(selection[0], calibration[0]), max(selection[1] or 0, calibration[1] or 0))
+    plan = plan_stage("quantize", shape, budget, tokens, peaks=peaks)
     if distributed.world_size() > 1 and plan.path == "in-memory":  # distributed oneshot loads offloaded
         plan = replace(plan, path="streamed", bound=STREAMED_HOLDS["quantize"])
     return plan

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from onboard import atomic
-from onboard.budget import StagePlan, human, model_shape, plan_stage, resolve_budget
+from onboard.budget import StagePlan, draft_training, estimate, human, model_shape, plan_stage, resolve_budget
 from onboard.console import console
 from onboard.endpoint import EndpointSpec
 from onboard.errors import OnboardError
@@ -149,12 +149,24 @@ def speculator_plan(
     own tokens."""
     shape = model_shape(checkpoint_path)
     options = "--endpoint URL"
+    training = draft_training(
+        shape,
+        settings.batch_sequences * settings.max_seq_len,
+        settings.num_speculative_tokens,
+        settings.draft_vocab_size,
+    )
+
+    def peaks(tokens: int) -> tuple[int, int]:
+        in_memory, streamed = estimate("speculator", shape, tokens)
+        return in_memory + training, (streamed or 0) + training
+
     # endpoint=True: never a refusal here, that is for the streamed estimate below to make
-    whole = plan_stage("speculator", shape, budget, generated_tokens(settings), endpoint=True, options=options)
+    generated = generated_tokens(settings)
+    whole = plan_stage("speculator", shape, budget, generated, endpoint=True, options=options, peaks=peaks(generated))
     if whole.path == "in-memory":
         return whole
     tokens = streamed_tokens() if streamed_tokens is not None else streamed_tokens_bound(settings)
-    plan = plan_stage("speculator", shape, budget, tokens, endpoint=endpoint, options=options)
+    plan = plan_stage("speculator", shape, budget, tokens, endpoint=endpoint, options=options, peaks=peaks(tokens))
     if plan.path == "in-memory":  # its own, smaller data would fit whole: streaming holds less still
         plan = replace(plan, path="streamed", bound="embeddings, head, one layer and the data's states")
     return replace(plan, in_memory=whole.in_memory)

@@ -29,9 +29,13 @@ UNSHARED = ("fisher", "rank_correlation", "fisher_note")
 
 
 def streaming_budget(checkpoint: Path) -> int:
-    in_memory, streamed = estimate("selection", model_shape(checkpoint), SETTINGS.search.tokens)
-    assert streamed < in_memory
-    return (in_memory + streamed) // 2
+    """Over the streamed peak and under the in-memory one, each the larger of the selection's and the calibration's."""
+    shape, calibration = model_shape(checkpoint), SETTINGS.calibration
+    selection = estimate("selection", shape, SETTINGS.search.tokens)
+    quantize = estimate("quantize", shape, calibration.num_samples * calibration.max_seq_length)
+    low, high = max(selection[1], quantize[1]), max(selection[0], quantize[0])
+    assert low < high
+    return (low + high) // 2
 
 
 def selected(root: Path, checkpoint: Path, max_memory: int | None) -> tuple[dict, dict]:

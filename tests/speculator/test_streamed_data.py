@@ -12,7 +12,7 @@ import torch
 from artifacts import quantize_into
 from safetensors.torch import load_file
 
-from onboard.budget import estimate, model_shape
+from onboard.budget import model_shape
 from onboard.engine.config import EngineConfig
 from onboard.engine.llm_engine import LLMEngine
 from onboard.errors import OnboardError
@@ -25,6 +25,7 @@ from onboard.speculator.stage import (
     build_draft,
     generated_tokens,
     run_speculator,
+    speculator_peaks,
     speculator_plan,
     streamed_tokens_bound,
 )
@@ -166,9 +167,9 @@ def _peaks(run_dir: Path, settings: SpeculatorSettings = SETTINGS) -> tuple[int,
     """`budget.estimate`'s in-memory peak (over the generated data's bound) and streamed peak
     (over the streamed data's tokens)."""
     shape = model_shape(run_dir / "artifact")
-    in_memory = estimate("speculator", shape, generated_tokens(settings))[0]
-    streamed = estimate("speculator", shape, _streamed_tokens(run_dir, settings))[1]
-    assert streamed is not None and streamed < in_memory
+    in_memory = speculator_peaks(shape, settings, generated_tokens(settings))[0]
+    streamed = speculator_peaks(shape, settings, _streamed_tokens(run_dir, settings))[1]
+    assert streamed < in_memory
     return in_memory, streamed
 
 
@@ -196,8 +197,11 @@ def test_plan_estimates_each_path_on_its_own_data(quantized: Path) -> None:
         speculator_plan(artifact, SETTINGS, streamed - 1, endpoint=False, streamed_tokens=counted)
     assert speculator_plan(artifact, SETTINGS, streamed - 1, endpoint=True, streamed_tokens=counted).path == "endpoint"
     # Without the data: each sequence at its longest.
-    bound = estimate("speculator", model_shape(artifact), streamed_tokens_bound(SETTINGS))[1]
+    bound = speculator_peaks(model_shape(artifact), SETTINGS, streamed_tokens_bound(SETTINGS))[1]
     assert speculator_plan(artifact, SETTINGS, in_memory - 1, endpoint=False).streamed == bound > streamed
+    # The draft's training is planned too: longer batches, a larger peak on the same data.
+    longer = SETTINGS.model_copy(update={"batch_sequences": 4 * SETTINGS.batch_sequences})
+    assert speculator_plan(artifact, longer, in_memory - 1, endpoint=False, streamed_tokens=counted).streamed > streamed
 
 
 def test_over_budget_trains_streamed_and_leaves_acceptance_unmeasured(
