@@ -206,13 +206,14 @@ def draft_training(shape: ModelShape, batch_tokens: int, steps: int, draft_vocab
     """The EAGLE-3 draft's training, beside the data it trains on: the float32 frozen embedding table
     and head (the draft's and the loss's copy), the trainable `fc` (3 states in, H out) and decoder
     layer (attention reading 2H, the target's MLP width) with AdamW's gradient and two moments per
-    weight, and each training-time-test step's activations over one batch (layer widths and the
-    draft vocabulary's logits, their log-softmax and gradient).  On the 16 GB scale checkpoint (H
-    2048, MLP 6144) 4x512-token batches gave 3.5 GB here, and the run they were in went past 6 GB."""
+    weight, and each training-time-test step's activations over one batch (the layer's widths, the
+    draft vocabulary's logits, their log-softmax and gradients, as autograd keeps them).  The
+    coefficients are the scale run's: on the 16 GB checkpoint (H 2048, MLP 6144, 2.2k tokens of
+    data) 4x512-token batches were killed at a 6 GB cap (planned here 7.0 GB) and 1x256 ran (4.1 GB)."""
     hidden, width = shape.hidden_size, shape.intermediate_size or 4 * shape.hidden_size
     frozen = 4 * (shape.vocab_size + 2 * draft_vocab) * hidden
     trainable = 3 * hidden * hidden + 7 * hidden * hidden + 3 * hidden * width
-    activations = 4 * batch_tokens * steps * (12 * hidden + 3 * width + 3 * draft_vocab)
+    activations = 4 * batch_tokens * steps * (24 * hidden + 6 * width + 6 * draft_vocab)
     return frozen + 16 * trainable + activations
 
 

@@ -21,7 +21,16 @@ from typing import Any
 import torch
 
 from onboard import atomic
-from onboard.budget import StagePlan, draft_training, estimate, human, model_shape, plan_stage, resolve_budget
+from onboard.budget import (
+    ModelShape,
+    StagePlan,
+    draft_training,
+    estimate,
+    human,
+    model_shape,
+    plan_stage,
+    resolve_budget,
+)
 from onboard.console import console
 from onboard.endpoint import EndpointSpec
 from onboard.errors import OnboardError
@@ -135,6 +144,15 @@ def streamed_tokens_bound(settings: SpeculatorSettings) -> int:
     return (settings.num_prompts + _extra_sequences(settings)) * settings.max_seq_len
 
 
+def speculator_peaks(shape: ModelShape, settings: SpeculatorSettings, tokens: int) -> tuple[int, int]:
+    """(in memory, streamed) bytes: the data of `tokens` tokens and its capture, then the draft's
+    training on it (batches of `batch_sequences` x `max_seq_len`)."""
+    in_memory, streamed = estimate("speculator", shape, tokens)
+    batch_tokens = settings.batch_sequences * settings.max_seq_len
+    training = draft_training(shape, batch_tokens, settings.num_speculative_tokens, settings.draft_vocab_size)
+    return in_memory + training, (streamed or 0) + training
+
+
 def speculator_plan(
     checkpoint_path: Path,
     settings: SpeculatorSettings,
@@ -149,16 +167,9 @@ def speculator_plan(
     own tokens."""
     shape = model_shape(checkpoint_path)
     options = "--endpoint URL"
-    training = draft_training(
-        shape,
-        settings.batch_sequences * settings.max_seq_len,
-        settings.num_speculative_tokens,
-        settings.draft_vocab_size,
-    )
 
     def peaks(tokens: int) -> tuple[int, int]:
-        in_memory, streamed = estimate("speculator", shape, tokens)
-        return in_memory + training, (streamed or 0) + training
+        return speculator_peaks(shape, settings, tokens)
 
     # endpoint=True: never a refusal here, that is for the streamed estimate below to make
     generated = generated_tokens(settings)

@@ -85,9 +85,17 @@ def test_over_budget_even_streamed_refuses_before_writing(tiny_llama: Path, tmp_
     assert not (tmp_path / "run/artifact").exists()
 
 
-def test_search_over_budget_refuses(tiny_llama: Path) -> None:
-    """The search holds a copy per format and has no streamed path: over budget it says so."""
+def test_search_plans_its_selection_and_refuses_over_the_streamed_peak(tiny_llama: Path) -> None:
+    """`auto` plans the larger of its selection's and its calibration's peaks: in memory, streamed
+    under that, and below the streamed peak a one-line refusal."""
     settings = Quantize(scheme="auto", bits_budget=5.0)
-    in_memory, _ = estimate("selection", model_shape(tiny_llama), settings.search.tokens)
-    with pytest.raises(OnboardError, match=r"^selection needs about .* in memory"):
-        quantize_plan(inspect_checkpoint(tiny_llama), settings, in_memory - 1)
+    shape = model_shape(tiny_llama)
+    selection = estimate("selection", shape, settings.search.tokens)
+    calibration = estimate("quantize", shape, settings.calibration.num_samples * settings.calibration.max_seq_length)
+    in_memory, streamed = max(selection[0], calibration[0]), max(selection[1], calibration[1])
+    checkpoint = inspect_checkpoint(tiny_llama)
+    assert quantize_plan(checkpoint, settings, in_memory).path == "in-memory"
+    plan = quantize_plan(checkpoint, settings, in_memory - 1)
+    assert (plan.path, plan.in_memory, plan.streamed) == ("streamed", in_memory, streamed)
+    with pytest.raises(OnboardError, match=r"^quantize needs about .* streamed, over the"):
+        quantize_plan(checkpoint, settings, streamed - 1)
