@@ -93,6 +93,7 @@ def bench(
         int | None,
         typer.Option(min=1, help="with --endpoint: requests per concurrency level (default: 4 x concurrency, >= 8)"),
     ] = None,
+    max_memory: MaxMemoryOpt = None,
 ) -> None:
     """The engine in exact and fast numerics against transformers.generate and llama.cpp (the demo's
     released GGUF, concurrency 1): tokens/s at concurrency 1, 16 and 64 with ratios, prefix-cache TTFT;
@@ -129,6 +130,10 @@ def bench(
         raise OnboardError("--speculator measures a run directory's speculator, not a .gguf file")
     checkpoint = inspect_checkpoint(model_dir) if gguf is None else resolve_model(gguf)
     device = check_device(device)
+    if gguf is None:  # the engine and its peers each hold the model: over the budget, bench the servers
+        from onboard.budget import model_shape, plan_stage
+
+        plan_stage("bench", model_shape(model_dir), memory_budget(max_memory), 0, options="--endpoint URL")
     if speculator:
         from onboard.speculator.measure import run_spec_bench
 

@@ -118,3 +118,13 @@ def test_bench_quant_over_its_in_memory_peak_refuses_before_loading(tiny_llama: 
     line = one_line_error(err)
     assert line.startswith("onboard: error: bench-quant holds a model per format") and "--scheme auto" in line
     assert not out.exists()
+
+
+def test_bench_over_budget_names_the_endpoint_option(tiny_llama: Path, capsys) -> None:
+    """The engine and its peers each load the model: over the budget, bench refuses in one line
+    that points at benching the deployment instead."""
+    budget = estimate("bench", model_shape(tiny_llama), 0)[0] - 1
+    code, _, err = onboard(["bench", str(tiny_llama), "--max-memory", str(budget)], capsys)
+    assert code != 0
+    line = one_line_error(err)
+    assert line.startswith("onboard: error: bench needs about") and line.endswith("--endpoint URL")
