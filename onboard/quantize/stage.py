@@ -43,8 +43,9 @@ def quantize_inputs(checkpoint: Checkpoint, settings: Quantize, calib: Path | No
 
 def quantize_plan(checkpoint: Checkpoint, settings: Quantize, budget: int) -> StagePlan:
     """In memory, or streamed through llm-compressor's offloaded loading and sequential pipeline
-    (the calibration samples' inputs of one layer resident).  `auto` plans its selection, which
-    holds the most (a model per format and the reference's distribution on the search tokens)."""
+    (the calibration samples' inputs of one layer resident).  `auto` plans the larger of its
+    selection's peak (a model per format, the reference's distribution on the search tokens) and
+    its calibration's.  Under torchrun every rank loads offloaded, whatever the budget."""
     shape = model_shape(checkpoint.path)
     tokens = settings.calibration.num_samples * settings.calibration.max_seq_length
     peaks = None
