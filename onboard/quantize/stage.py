@@ -169,6 +169,8 @@ def run_quantize(
     os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "WARNING")
     inputs, outputs = quantize_inputs(checkpoint, settings, calib), ["artifact", "quantize"]
     # Under torchrun every rank calibrates or none does: rank 0's run directory decides.
-    if not distributed.from_source(run.cached("quantize", inputs, outputs) is None) and distributed.rank() != 0:
-        return {}
+    if distributed.world_size() > 1:
+        runs = distributed.from_source(run.cached("quantize", inputs, outputs) is None)
+        if not runs and distributed.rank() != 0:
+            return {}
     return run.run_stage("quantize", inputs, outputs=outputs, body=body)
