@@ -9,7 +9,6 @@ import typer
 
 from onboard.cli_engine import adapt, bench, bench_kv, serve
 from onboard.cli_options import (
-    AlgorithmOpt,
     ApiKeyOpt,
     BaseOpt,
     BudgetOpt,
@@ -20,6 +19,7 @@ from onboard.cli_options import (
     JunitOpt,
     MaxMemoryOpt,
     MaxTokOpt,
+    MethodOpt,
     NumericsOpt,
     PickleOpt,
     RecipeOpt,
@@ -57,7 +57,7 @@ def quantize(
     scheme: SchemeOpt = None,
     bits_budget: BudgetOpt = None,
     base: BaseOpt = None,
-    algorithm: AlgorithmOpt = None,
+    method: MethodOpt = None,
     search_steps: StepsOpt = None,
     search_tokens: SearchTokOpt = None,
     recipe: RecipeOpt = None,
@@ -79,7 +79,7 @@ def quantize(
         "--scheme": ("quantize.scheme", scheme),
         "--bits-budget": ("quantize.bits_budget", bits_budget),
         "--base": ("quantize.base", base),
-        "--algorithm": ("quantize.algorithm", algorithm),
+        "--method": ("quantize.method", method),
         "--search-steps": ("quantize.search.steps", search_steps),
         "--search-tokens": ("quantize.search.tokens", search_tokens),
         "--num-samples": ("quantize.calibration.num_samples", num_samples),

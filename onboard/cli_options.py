@@ -10,7 +10,13 @@ SchemeOpt = Annotated[
 ]
 BudgetOpt = Annotated[float | None, typer.Option(help="auto: effective bits per quantizable weight, at most")]
 BaseOpt = Annotated[str | None, typer.Option(help="auto: nvfp4 (upgrades to FP8, BF16) | nvfp4a16 (FP8 W8A16, BF16)")]
-AlgorithmOpt = Annotated[str | None, typer.Option(help="rtn | gptq (llmcompressor's GPTQModifier)")]
+MethodOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="how weights are rounded, parts joined by +: rtn, gptq, autoround; observers mse, expanded_mse, "
+        "imatrix, expanded_imatrix; spinquant (R1/R2 fused); smoothquant, awq. auto: measured on calibration text"
+    ),
+]
 StepsOpt = Annotated[int | None, typer.Option(help="auto: candidate selections measured after the additive one")]
 SearchTokOpt = Annotated[int | None, typer.Option(help="auto: calibration tokens each candidate is scored on")]
 RecipeOpt = Annotated[Path | None, typer.Option(help="recipes/NAME.yaml (default: matched by architecture)")]

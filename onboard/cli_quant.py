@@ -29,12 +29,29 @@ def _budgets(text: str) -> list[float]:
     return sorted(set(budgets))
 
 
+def _methods(text: str) -> tuple[str, ...]:
+    from onboard.recipes import Method
+
+    names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    for name in names:
+        try:
+            Method.parse(name)
+        except ValueError as err:
+            raise OnboardError(f"--methods {text!r}: {err}") from err
+    if not names:
+        raise OnboardError("--methods: name at least one method, e.g. rtn,gptq")
+    return names
+
+
 def bench_quant(
     model: Annotated[Path, typer.Argument(help="a Hugging Face checkpoint directory or a .gguf file")],
     budgets: Annotated[
         str, typer.Option(help="bits budgets of the additive and searched selections")
     ] = "4.5,5.0,5.5,6.0",
     out: Annotated[Path, typer.Option(help="the JSON file of rows")] = Path("bench-quant.json"),
+    methods: Annotated[
+        str | None, typer.Option(help="comma-separated methods measured at 4.5 bits (default: every one shipped)")
+    ] = None,
     data: DataOpt = None,
     calib: CalibOpt = None,
     recipe: RecipeOpt = None,
@@ -44,14 +61,17 @@ def bench_quant(
     trust_remote_code: RemoteOpt = False,
     max_memory: MaxMemoryOpt = None,
 ) -> None:
-    """Uniform NVFP4 (llmcompressor's preset), NVFP4 + GPTQ, fixed rules (attention FP8, down_proj
-    FP8, end layers BF16), and the additive and searched selections at each budget: held-out mean
-    KLD, same-top-token rate and effective bits of each, measured in one run."""
+    """Every quantization method uniform at 4.5 bits (NVFP4 W4A4; rtn is llmcompressor's preset), each
+    lever on the weights alone (NVFP4A16) and on the activations alone, then with the best method the
+    fixed rules (attention FP8, down_proj FP8, end layers BF16) and the additive and searched
+    selections at each budget: held-out mean KLD, same-top-token rate, effective bits and seconds of
+    each, measured in one run."""
     from onboard.cli_options import existing_data, recipe_with_overrides
     from onboard.models import resolve_model
-    from onboard.quantize.bench import run_bench_quant
+    from onboard.quantize.bench import METHODS, run_bench_quant
 
     chosen = _budgets(budgets)
+    measured = _methods(methods) if methods else METHODS
     checkpoint = resolve_model(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     settings = recipe_with_overrides(
         checkpoint,
@@ -73,4 +93,4 @@ def bench_quant(
             f"bench-quant holds a model per format and method (about {human(plan.in_memory)}), over the "
             f"{human(budget)} budget (--max-memory); `onboard quantize --scheme auto` selects streamed"
         )
-    run_bench_quant(checkpoint, settings, chosen, existing_data(calib), existing_data(data), out)
+    run_bench_quant(checkpoint, settings, chosen, existing_data(calib), existing_data(data), out, measured)

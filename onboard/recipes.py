@@ -4,7 +4,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from onboard.errors import OnboardError
 from onboard.paths import RECIPES_DIR
@@ -39,6 +39,78 @@ class Calibration(_Strict):
     traffic: list[Traffic] = ["chat", "code", "math", "summarization", "structured"]
 
 
+Observer = Literal["minmax", "mse", "nvfp4_expanded_mse", "imatrix_mse", "nvfp4_expanded_imatrix"]
+
+# The names `--method` and `quantize.method: NAME` compose with "+" (gptq+expanded_mse), each
+# setting some of Method's fields; the canonical name lists them in llm-compressor's order.
+METHOD_PARTS: dict[str, dict[str, object]] = {
+    "smoothquant": {"smoothing": "smoothquant"},
+    "awq": {"smoothing": "awq"},
+    "spinquant": {"rotations": ["R1", "R2"]},
+    "rtn": {"algorithm": "rtn"},
+    "gptq": {"algorithm": "gptq"},
+    "autoround": {"algorithm": "autoround"},
+    "minmax": {"observer": "minmax"},
+    "mse": {"observer": "mse"},
+    "expanded_mse": {"observer": "nvfp4_expanded_mse"},
+    "fouroversix": {"observer": "nvfp4_expanded_mse"},  # llm-compressor's alias
+    "imatrix": {"observer": "imatrix_mse"},
+    "expanded_imatrix": {"observer": "nvfp4_expanded_imatrix"},
+}
+
+
+class Method(_Strict):
+    """How weights and activations are prepared and rounded: llm-compressor's levers that keep the
+    artifact a plain compressed-tensors checkpoint (no runtime op), composed in its order:
+    smoothing, then rotations fused into the weights, then the quantizer with its weight observer."""
+
+    smoothing: Literal["none", "smoothquant", "awq"] = "none"
+    smoothing_strength: float = Field(0.5, gt=0, lt=1)  # SmoothQuant's alpha
+    # SpinQuant's offline rotations (R1: the residual stream, R2: each head's values), fused into the
+    # weights. Online rotations (R3/R4, QuIP) need runtime ops and are not offered.
+    rotations: list[Literal["R1", "R2"]] = []
+    # Hadamard blocks of this size (None: the hidden size, which must then have a Hadamard matrix;
+    # SmolLM2's 576 does not, 64 divides it and every head).
+    rotation_block: int | None = Field(64, gt=0)
+    rotation_type: Literal["hadamard", "random-hadamard"] = "random-hadamard"
+    algorithm: Literal["rtn", "gptq", "autoround"] = "rtn"
+    observer: Observer = "minmax"  # of the weight scales; minmax is the preset's own
+    gptq_actorder: Literal["static", "group", "weight"] | None = "static"
+    gptq_dampening: float = Field(0.01, gt=0)
+    autoround_iters: int = Field(20, gt=0)  # AutoRound's default 200 is sized for a GPU
+
+    @property
+    def name(self) -> str:
+        defaults = Method()
+        parts = []
+        for part, fields in METHOD_PARTS.items():
+            if part in ("rtn", "minmax", "fouroversix"):
+                continue
+            if all(getattr(self, k) == v for k, v in fields.items()) and any(
+                getattr(defaults, k) != v for k, v in fields.items()
+            ):
+                parts.append(part)
+        return "+".join(parts) or "rtn"
+
+    @classmethod
+    def parse(cls, name: str) -> dict[str, object]:
+        fields: dict[str, object] = {}
+        for part in name.split("+"):
+            if part.strip() not in METHOD_PARTS:
+                raise ValueError(f"unknown method part {part.strip()!r}; compose with + from {', '.join(METHOD_PARTS)}")
+            for key, value in METHOD_PARTS[part.strip()].items():
+                if key in fields and fields[key] != value:
+                    raise ValueError(f"{name!r} sets {key} twice")
+                fields[key] = value
+        return fields
+
+    @model_validator(mode="after")
+    def _one_weight_rounding(self) -> "Method":
+        if self.algorithm == "autoround" and self.observer != "minmax":
+            raise ValueError("autoround tunes the weight scales itself: it takes no observer")
+        return self
+
+
 class Search(_Strict):
     """The layer-selection search of `scheme: auto`: KL measured on calibration text."""
 
@@ -50,7 +122,12 @@ class Quantize(_Strict):
     scheme: Scheme = "nvfp4"
     base: Base = "nvfp4"  # `auto`: the format every group starts in, upgraded where the budget allows
     bits_budget: float | None = Field(None, gt=0)  # `auto`: effective bits per quantizable weight
-    algorithm: Literal["rtn", "gptq"] = "rtn"  # gptq: llmcompressor's GPTQModifier
+    # A Method, a method name ("gptq+expanded_mse"), or auto: the candidates measured on calibration
+    # text by end-to-end KL, a lever kept only when it gains beyond two standard errors.
+    method: Method | Literal["auto"] = Method()
+    # SpinQuant is left out: as llm-compressor 0.14 applies it here, it is not logit-preserving (a
+    # strict xfail in tests/quantize/test_methods.py); AutoRound takes minutes per layer on a CPU.
+    candidates: list[str] = ["expanded_mse", "expanded_imatrix", "gptq+expanded_mse", "awq"]
     targets: list[str] = ["Linear"]
     ignore: list[str] = NEVER_QUANTIZE
     calibration: Calibration = Calibration()
@@ -58,6 +135,18 @@ class Quantize(_Strict):
     # Pinned per-module formats over the scheme (module-name patterns, as `ignore`): how a
     # selection found by `auto` is replayed without searching (selection.json's `pinned`).
     formats: dict[Format, list[str]] = {}
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _method_by_name(cls, value: object) -> object:
+        return Method.parse(value) if isinstance(value, str) and value != "auto" else value
+
+    @field_validator("candidates")
+    @classmethod
+    def _candidates_parse(cls, value: list[str]) -> list[str]:
+        for name in value:
+            Method.parse(name)
+        return value
 
     @model_validator(mode="after")
     def _auto_needs_budget(self) -> "Quantize":

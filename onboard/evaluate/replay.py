@@ -114,13 +114,21 @@ class LayerReplay:
         return inputs, last.reshape(-1, last.shape[-1])
 
     @torch.inference_mode()
-    def kl(self, hidden: torch.Tensor) -> torch.Tensor:
+    def kl(self, hidden: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
         """KL(reference || candidate) per position, float64, from the candidate's final hidden states
-        (the eval's own per-token function, a chunk of positions at a time)."""
+        (the eval's own per-token function, a chunk of positions at a time), through `model`'s head
+        (default: the replayed model's)."""
         out = []
-        for index, logits in enumerate(head_chunks(self.model, hidden, CHUNK)):
+        for index, logits in enumerate(head_chunks(model or self.model, hidden, CHUNK)):
             out.append(token_kl(self.reference_logp[index * CHUNK : index * CHUNK + len(logits)], logits).double())
         return torch.cat(out)
+
+    @torch.inference_mode()
+    def model_kl(self, candidate: nn.Module) -> torch.Tensor:
+        """Per-position KL of another model of the same vocabulary, run whole with its own head (a
+        rotated model's hidden states are in another basis)."""
+        last = candidate.base_model(input_ids=self.input_ids).last_hidden_state
+        return self.kl(last.reshape(-1, last.shape[-1]), candidate)
 
     def kl_from(self, start: int = 0, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Per-position KL of the model as it now is, run from layer `start`, and the layer inputs."""

@@ -13,12 +13,12 @@ from onboard.evaluate.replay import LayerReplay
 from onboard.quantize.compose import Composer
 from onboard.quantize.groups import Group, decision_groups, effective_bits
 from onboard.quantize.knapsack import additive_selection, check_budget, predicted_kl
-from onboard.quantize.modifiers import quantized_copy
+from onboard.quantize.modifiers import quantized_copy, rotated_copy
 from onboard.quantize.offloaded import is_offloaded
 from onboard.quantize.schemes import LADDERS
 from onboard.quantize.search import Measurer, measured_search
 from onboard.quantize.sensitivity import fisher_sensitivity, measured_sensitivity, rank_correlation
-from onboard.recipes import Quantize
+from onboard.recipes import Method, Quantize
 
 
 def search_windows(dataset: Dataset, tokens: int) -> torch.Tensor:
@@ -87,6 +87,10 @@ class Selection:
     ) -> None:
         self.settings = settings
         self.ladder = LADDERS[settings.base]
+        # BF16 groups come from the model as rotated as the quantized copies, whose rotations are
+        # fused whole (embeddings, norms, every linear): unrotated modules beside them are wrong.
+        rotated = isinstance(settings.method, Method) and settings.method.rotations
+        self.model = rotated_copy(model, tokenizer, settings.method) if rotated else model
         self.seconds: dict[str, float] = {}
         self.sources = {}
         source = source or (lambda fmt: quantized_copy(model, tokenizer, settings, fmt, dataset))
@@ -98,8 +102,8 @@ class Selection:
         self.groups = decision_groups(self.sources[settings.base])
         for budget in budgets:  # before the measuring, which is the long part
             check_budget(self.groups, settings.base, budget)
-        self.replay = LayerReplay(model, search_windows(dataset, settings.search.tokens))
-        self.composer = Composer(model, self.sources, self.groups)
+        self.replay = LayerReplay(self.model, search_windows(dataset, settings.search.tokens))
+        self.composer = Composer(self.model, self.sources, self.groups)
         formats = [f for f in self.ladder if f != "bf16"]
         clock = time.perf_counter()
         console.print(f"sensitivity: {len(self.groups)} groups x {formats} on {self.replay.num_tokens} tokens")

@@ -1,7 +1,7 @@
-"""`onboard bench-quant`: uniform NVFP4, GPTQ, fixed rules, the additive and the searched selection,
-all scored in one run on the same held-out text (never the calibration text they were fitted on)."""
+"""`onboard bench-quant`: every quantization method at 4.5 bits, each lever on the weights and on the
+activations alone, then the best method's fixed rules and additive and searched selections, all
+scored in one run on the same held-out text (never the calibration text they were fitted on)."""
 
-import copy
 import time
 from pathlib import Path
 from typing import Any
@@ -15,20 +15,32 @@ from onboard.evaluate.stage import eval_windows, measure_kl
 from onboard.models import Checkpoint, load_model, load_tokenizer
 from onboard.quantize.auto import Selection
 from onboard.quantize.calibration import calibration_dataset
-from onboard.quantize.compose import Composer
-from onboard.quantize.groups import ATTENTION_KINDS, Group, effective_bits
+from onboard.quantize.groups import ATTENTION_KINDS, Group, decision_groups, effective_bits
+from onboard.quantize.method_choice import method_of
 from onboard.quantize.modifiers import quantized_copy
-from onboard.recipes import Recipe
+from onboard.recipes import Method, Recipe
 
+# Every accuracy method llm-compressor ships that keeps the artifact plain NVFP4, and the
+# combinations its own results suggest (an observer under GPTQ or after rotations).
 METHODS = (
-    "uniform_nvfp4",
-    "uniform_nvfp4_gptq",
-    "heuristic_attn_fp8",
-    "heuristic_down_fp8",
-    "heuristic_ends_bf16",
-    "additive",
-    "search",
+    "rtn",
+    "mse",
+    "expanded_mse",
+    "imatrix",
+    "expanded_imatrix",
+    "gptq",
+    "gptq+expanded_mse",
+    "gptq+expanded_imatrix",
+    "spinquant",
+    "spinquant+expanded_mse",
+    "spinquant+gptq+expanded_mse",
+    "smoothquant",
+    "smoothquant+expanded_mse",
+    "awq",
+    "awq+expanded_mse",
+    "autoround",
 )
+SELECTIONS = ("uniform", "heuristic_attn_fp8", "heuristic_down_fp8", "heuristic_ends_bf16", "additive", "search")
 
 
 def heuristics(groups: list[Group], base: str) -> dict[str, dict[str, str]]:
@@ -47,22 +59,34 @@ def heuristics(groups: list[Group], base: str) -> dict[str, dict[str, str]]:
 
 
 def run_bench_quant(
-    checkpoint: Checkpoint, recipe: Recipe, budgets: list[float], calib: Path | None, data: Path | None, out: Path
+    checkpoint: Checkpoint,
+    recipe: Recipe,
+    budgets: list[float],
+    calib: Path | None,
+    data: Path | None,
+    out: Path,
+    methods: tuple[str, ...] = METHODS,
 ) -> dict[str, Any]:
-    settings = recipe.quantize.model_copy(update={"scheme": "nvfp4", "bits_budget": None, "base": "nvfp4"})
+    """Every method uniform at 4.5 bits (NVFP4 W4A4), each lever also on one half of the damage
+    (weights only: NVFP4A16; activations only, for the levers that move activations), then the best
+    method through the fixed rules and the searched selection at each budget."""
+    settings = recipe.quantize.model_copy(
+        update={"scheme": "nvfp4", "bits_budget": None, "base": "nvfp4", "formats": {}, "method": Method()}
+    )
     torch.manual_seed(0)
     tokenizer = load_tokenizer(checkpoint)
-    model = load_model(checkpoint)
-    reference = copy.deepcopy(model)
+    reference = load_model(checkpoint)
     dataset = calibration_dataset(tokenizer, settings.calibration, calib)
     windows = eval_windows(tokenizer, recipe.eval, data)
     rows: list[dict[str, Any]] = []
 
-    def score(method: str, candidate, budget: float, bits: float, seconds: float, **extra) -> None:
-        console.print(f"[bold]{method}[/] at {bits:.3f} bits: scoring on held-out text")
+    def score(selection: str, method: str, fmt: str, candidate, budget: float, bits: float, seconds: float, **extra):
+        console.print(f"[bold]{selection} {method} {fmt}[/] at {bits:.3f} bits: scoring on held-out text")
         stats = measure_kl(reference, candidate, windows)["all"].summary()
         row = {
+            "selection": selection,
             "method": method,
+            "format": fmt,
             "budget": budget,
             "effective_bits": round(bits, 4),
             "mean_kld": stats["mean_kld"],
@@ -73,40 +97,53 @@ def run_bench_quant(
         rows.append(row)
         console.print(f"  mean KLD {row['mean_kld']:.4f}, same top token {100 * row['top1_agreement']:.1f} %")
 
-    selection = Selection(model, tokenizer, settings, dataset, budgets)
-    groups, composer = selection.groups, selection.composer
-    shared = selection.seconds
-    uniform = selection.uniform()
-    uniform_bits = effective_bits(groups, uniform)
-    composer.apply(uniform)
-    score("uniform_nvfp4", model, round(uniform_bits, 4), uniform_bits, shared["source:nvfp4"])
+    groups_of: dict[str, list[Group]] = {}
 
-    clock = time.perf_counter()
-    gptq = quantized_copy(reference, tokenizer, settings.model_copy(update={"algorithm": "gptq"}), "nvfp4", dataset)
-    seconds = time.perf_counter() - clock
-    composer.reset()
-    Composer(model, {"nvfp4": gptq}, groups).apply(uniform)
-    score("uniform_nvfp4_gptq", model, round(uniform_bits, 4), uniform_bits, seconds)
-    del gptq
+    def uniform(method: Method, fmt: str) -> None:
+        clock = time.perf_counter()
+        candidate = quantized_copy(reference, tokenizer, settings.model_copy(update={"method": method}), fmt, dataset)
+        seconds = time.perf_counter() - clock
+        groups = groups_of.setdefault("groups", decision_groups(candidate))
+        bits = effective_bits(groups, {g.name: fmt for g in groups})
+        score("uniform", method.name, fmt, candidate, round(bits, 4), bits, seconds)
 
-    for method, assignment in heuristics(groups, settings.base).items():
+    for name in methods:
+        uniform(method_of(name), "nvfp4")
+    best_row = min((r for r in rows if r["format"] == "nvfp4"), key=lambda r: r["mean_kld"])
+    best = method_of(best_row["method"])
+    console.print(f"best uniform method: {best.name} (mean KLD {best_row['mean_kld']:.4f})")
+    # One lever at a time (and the best), on each half: the weights alone, and the activations
+    # alone where the lever moves them (smoothing and rotations; the rest change only weights).
+    for name in dict.fromkeys([*(name for name in methods if "+" not in name), best.name]):
+        method = method_of(name)
+        uniform(method, "nvfp4a16")
+        if method.algorithm == "rtn" and method.observer == "minmax":
+            uniform(method, "nvfp4_activations")
+
+    settings = settings.model_copy(update={"method": best})
+    selection = Selection(reference, tokenizer, settings, dataset, budgets)
+    groups, composer, model = selection.groups, selection.composer, selection.model
+    for rule, assignment in heuristics(groups, settings.base).items():
         bits = effective_bits(groups, assignment)
         composer.apply(assignment)
-        score(method, model, round(bits, 4), bits, shared["sources"])
+        score(rule, best.name, "mixed", model, round(bits, 4), bits, selection.seconds["sources"])
 
+    record: dict[str, Any] = {}
     for budget in budgets:
         final, record = selection.select(budget, settings.search.steps)
-        additive = {**uniform, **record["additive"]["upgraded"]}
+        additive = {**selection.uniform(), **record["additive"]["upgraded"]}
         ready = record["seconds"]
-        before_search = ready["sources"] + ready["sensitivity"] + ready["fisher"]
-        for method, assignment, seconds, part in (
+        before_search = ready["sources"] + ready["sensitivity"] + ready.get("fisher", 0)
+        for kind, assignment, seconds, part in (
             ("additive", additive, before_search, record["additive"]),
             ("search", final, before_search + ready["search"], record["final"]),
         ):
             composer.apply(assignment)
             upgraded = {g: f for g, f in assignment.items() if f != settings.base}
             score(
-                method,
+                kind,
+                best.name,
+                "mixed",
                 model,
                 budget,
                 effective_bits(groups, assignment),
@@ -122,6 +159,7 @@ def run_bench_quant(
         "heldout_tokens": sum(len(w) - 1 for _, w in windows),
         "search_tokens": selection.replay.num_tokens,
         "search_steps": settings.search.steps,
+        "best_method": best.name,
         "rank_correlation": record["sensitivity"]["rank_correlation"] if budgets else None,
         "rows": rows,
     }
@@ -131,13 +169,17 @@ def run_bench_quant(
 
 
 def bench_table(rows: list[dict[str, Any]]) -> Table:
-    uniform = next((r["mean_kld"] for r in rows if r["method"] == "uniform_nvfp4"), None)
-    table = Table(title="held-out KL by selection method", title_justify="left")
-    for column in ("method", "budget", "bits", "KLD", "× unif", "top-1", "s"):
-        table.add_column(column, justify="left" if column == "method" else "right", no_wrap=True)
+    uniform = next((r["mean_kld"] for r in rows if r["method"] == "rtn" and r["format"] == "nvfp4"), None)
+    table = Table(title="held-out KL by method and selection", title_justify="left")
+    for column in ("selection", "method", "format", "budget", "bits", "KLD", "× preset", "top-1", "s"):
+        table.add_column(
+            column, justify="left" if column in ("selection", "method", "format") else "right", no_wrap=True
+        )
     for row in rows:
         table.add_row(
+            row["selection"],
             row["method"],
+            row["format"],
             f"{row['budget']:.2f}",
             f"{row['effective_bits']:.3f}",
             f"{row['mean_kld']:.4f}",

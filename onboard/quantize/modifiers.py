@@ -1,25 +1,57 @@
 """The llmcompressor modifier of a quantize run and its oneshot application (the YAML schema is onboard.recipes)."""
 
 import copy
+from contextlib import contextmanager
 
 import torch
 from datasets import Dataset
 
+from onboard.errors import OnboardError
 from onboard.quantize.schemes import SCHEMES
-from onboard.recipes import Quantize
+from onboard.recipes import Method, Quantize
 
 
-def modifier(settings: Quantize, scheme: str, pinned: dict[str, list[str]] | None = None):
-    """QuantizationModifier (RTN) or GPTQModifier: `scheme` on `settings.targets`, and pinned
-    module patterns in their own formats. compressed-tensors resolves a module matched by both a
-    class target ("Linear") and a name pattern in favour of the pattern, so pins win; pinned
-    BF16 modules join `ignore`."""
+def modifier(settings: Quantize, scheme: str, pinned: dict[str, list[str]] | None = None) -> list:
+    """The llmcompressor modifiers of `settings.method`, in llm-compressor's order: smoothing
+    (SmoothQuant or AWQ), SpinQuant's offline rotations, then the quantizer (QuantizationModifier,
+    GPTQModifier or AutoRoundModifier) putting `scheme` on `settings.targets` and pinned module
+    patterns in their own formats.  compressed-tensors resolves a module matched by both a class
+    target ("Linear") and a name pattern in favour of the pattern, so pins win; pinned BF16 modules
+    join `ignore`."""
+    from llmcompressor.modifiers.autoround import AutoRoundModifier
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+    from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
 
-    cls = GPTQModifier if settings.algorithm == "gptq" else QuantizationModifier
+    method = settings.method
+    if not isinstance(method, Method):
+        raise ValueError("method auto is chosen before modifiers are built")
     pinned = {fmt: list(patterns) for fmt, patterns in (pinned or {}).items() if patterns}
     ignore = list(settings.ignore) + pinned.pop("bf16", [])
     groups = [(scheme, list(settings.targets)), *sorted(pinned.items())]
+    stack: list = []
+    if method.smoothing == "smoothquant":
+        stack.append(SmoothQuantModifier(smoothing_strength=method.smoothing_strength, ignore=ignore))
+    elif method.smoothing == "awq":
+        stack.append(AWQModifier())
+    stack += rotation(method)
+    options: dict = {"ignore": ignore}
+    if method.observer != "minmax":
+        options["weight_observer"] = method.observer
+    if method.algorithm == "gptq":
+        cls = GPTQModifier
+        options.update(actorder=method.gptq_actorder, dampening_frac=method.gptq_dampening)
+    elif method.algorithm == "autoround":
+        # torch.compile of the tuning loop costs more than it saves on a CPU-sized iteration count
+        cls = AutoRoundModifier
+        options.update(iters=method.autoround_iters, enable_torch_compile=False)
+    else:
+        cls = QuantizationModifier
+    if method.algorithm == "autoround":
+        # AutoRoundModifier maps a preset name onto auto-round's own (NVFP4 -> nv_fp4); an explicit
+        # scheme reaches auto-round as data_type "fp", which has no 4-bit kernel.
+        if len(groups) > 1 or not SCHEMES[scheme].preset:
+            raise OnboardError("method autoround quantizes one preset format: it takes no pinned formats (auto)")
+        return [*stack, cls(scheme=SCHEMES[scheme].preset, targets=list(settings.targets), **options)]
     if all(SCHEMES[fmt].preset for fmt, _ in groups):
         # llmcompressor's preset names, as its own examples write mixed recipes; they also keep
         # the saved recipe.yaml plain data (explicit config groups under GPTQ serialise an enum
@@ -27,17 +59,71 @@ def modifier(settings: Quantize, scheme: str, pinned: dict[str, list[str]] | Non
         presets: dict[str, list[str]] = {}
         for fmt, targets in groups:
             presets.setdefault(SCHEMES[fmt].preset, []).extend(targets)
-        return cls(scheme=presets, ignore=ignore)
+        return [*stack, cls(scheme=presets, **options)]
     config_groups = {f"group_{i}": SCHEMES[fmt].quantization_scheme(targets) for i, (fmt, targets) in enumerate(groups)}
-    return cls(config_groups=config_groups, ignore=ignore)
+    return [*stack, cls(config_groups=config_groups, **options)]
+
+
+def rotation(method: Method) -> list:
+    """SpinQuant's offline rotations of `method`, fused into the weights (none: [])."""
+    from llmcompressor.modifiers.transform import SpinQuantModifier
+
+    if not method.rotations:
+        return []
+    return [
+        SpinQuantModifier(
+            rotations=list(method.rotations),
+            transform_type=method.rotation_type,
+            transform_block_size=method.rotation_block,
+        )
+    ]
+
+
+def rotated_copy(model: torch.nn.Module, tokenizer, method: Method) -> torch.nn.Module:
+    """A copy of `model` with `method`'s rotations fused and nothing quantized: the BF16 side of a
+    selection whose quantized copies are rotated (the rotations are deterministic, so the copies
+    share them).  Its logits are the model's within fp32 rounding."""
+    rotated = copy.deepcopy(model)
+    apply(rotated, tokenizer, rotation(method), None, 0)
+    return rotated.eval()
 
 
 def needs_calibration(settings: Quantize, formats: set[str]) -> bool:
-    return settings.algorithm == "gptq" or any(SCHEMES[f].calibrated for f in formats)
+    method = settings.method
+    return (
+        not isinstance(method, Method)
+        or method.algorithm != "rtn"
+        or method.smoothing != "none"
+        or "imatrix" in method.observer
+        or any(SCHEMES[f].calibrated for f in formats)
+    )
+
+
+@contextmanager
+def _pinning_only_with_accelerator():
+    """llm-compressor 0.14's AWQ pins its cached activations for faster host-to-device copies, and
+    pinning raises where no accelerator exists; pinning changes no value, so without one it is
+    skipped."""
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    if torch.accelerator.is_available():
+        yield
+        return
+    pin = IntermediatesCache.pin_memory
+    IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
+    try:
+        yield
+    finally:
+        IntermediatesCache.pin_memory = pin
 
 
 def apply(model: torch.nn.Module, tokenizer, recipe, dataset: Dataset | None, max_seq_length: int) -> None:
     """llmcompressor oneshot, in place, on calibration `dataset` (None: data-free formats)."""
+    with _pinning_only_with_accelerator():
+        _oneshot(model, tokenizer, recipe, dataset, max_seq_length)
+
+
+def _oneshot(model: torch.nn.Module, tokenizer, recipe, dataset: Dataset | None, max_seq_length: int) -> None:
     from llmcompressor import oneshot
 
     from onboard.models.moe_artifact import quantize_expert_inputs_per_token

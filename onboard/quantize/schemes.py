@@ -17,6 +17,10 @@ class Scheme:
     def quantization_scheme(self, targets: list[str]) -> QuantizationScheme | None:
         if self.name == "bf16":
             return None
+        if self.name == "nvfp4_activations":  # NVFP4's own activation quantization, weights untouched
+            return QuantizationScheme(
+                targets=targets, input_activations=preset_name_to_scheme("NVFP4", targets).input_activations
+            )
         if self.preset:
             return preset_name_to_scheme(self.preset, targets)
         # No preset stores FP8 weights with BF16 activations; vLLM runs it as FP8 W8A16 (Marlin).
@@ -45,6 +49,8 @@ SCHEMES = {
         Scheme("fp8", "FP8_DYNAMIC", False, "W8A8: FP8 E4M3 per-channel weights, dynamic per-token FP8 activations"),
         Scheme("fp8_weight", None, False, "W8A16: FP8 E4M3 per-channel weights, BF16 activations"),
         Scheme("bf16", None, False, "BF16: kept in the checkpoint's precision"),
+        # The other half of W4A4, for measuring where the damage is (bench-quant); no format vLLM serves.
+        Scheme("nvfp4_activations", None, True, "A4 only: NVFP4 activations, BF16 weights (a measurement)"),
     )
 }
 

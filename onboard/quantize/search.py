@@ -27,6 +27,13 @@ from onboard.quantize.knapsack import group_kl
 MIN_Z = 2.0
 
 
+def gain_z(best_kl: torch.Tensor, kl: torch.Tensor) -> float:
+    """How many standard errors a candidate's per-token KL sits below the best's (paired)."""
+    gain = best_kl - kl
+    spread = float(gain.std()) / len(gain) ** 0.5
+    return float(gain.mean()) / spread if spread > 0 else 0.0
+
+
 class Measurer:
     """Mean KL of assignments, replaying the layers before the first one that differs from the
     best assignment so far."""
@@ -47,10 +54,7 @@ class Measurer:
         return kl, inputs, start
 
     def gain_z(self, kl: torch.Tensor) -> float:
-        """How many standard errors the candidate's per-token KL sits below the best's."""
-        gain = self.best_kl - kl
-        spread = float(gain.std()) / len(gain) ** 0.5
-        return float(gain.mean()) / spread if spread > 0 else 0.0
+        return gain_z(self.best_kl, kl)
 
     def keep(self, assignment: dict[str, str], kl: torch.Tensor, inputs: list[torch.Tensor], start: int) -> None:
         self.best = dict(assignment)

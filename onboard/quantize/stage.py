@@ -11,6 +11,7 @@ import torch
 from onboard import atomic
 from onboard.budget import STREAMED_HOLDS, StagePlan, estimate, human, model_shape, plan_stage, resolve_budget
 from onboard.console import console
+from onboard.errors import OnboardError
 from onboard.hashing import fingerprint
 from onboard.memory import map_large_blocks
 from onboard.models import Checkpoint, load_model, load_tokenizer
@@ -19,6 +20,7 @@ from onboard.quantize import distributed, modifiers
 from onboard.quantize.auto import Selection, artifact_kld
 from onboard.quantize.bits import effective_bits, is_quantizable, layer_bits
 from onboard.quantize.calibration import calibration_dataset
+from onboard.quantize.method_choice import choose_method
 from onboard.quantize.modifiers import needs_calibration, offloaded_copy
 from onboard.quantize.offloaded import conversion_mappings_kept, is_offloaded, load_offloaded
 from onboard.quantize.schemes import LADDERS, SCHEMES
@@ -67,12 +69,26 @@ def run_quantize(
     budget = resolve_budget(max_memory)
     plan = quantize_plan(checkpoint, settings, budget)
     distributed.check(settings.scheme, settings.calibration.num_samples)
+    if plan.path == "streamed" and (settings.method == "auto" or settings.method.rotations):
+        raise OnboardError(
+            f"quantize is over the memory budget ({human(plan.in_memory)} in memory): method auto and "
+            "rotations run in memory only; name a method without rotations (--method)"
+        )
+
+    method_record: dict[str, Any] = {}
 
     def body(stage: Stage) -> dict[str, Any]:
+        nonlocal settings
         torch.manual_seed(0)
         tokenizer = load_tokenizer(checkpoint)
         if plan.path != "streamed":
             model = load_model(checkpoint)
+            if settings.method == "auto":
+                fmt = settings.base if settings.scheme == "auto" else settings.scheme
+                dataset = calibration_dataset(tokenizer, settings.calibration, calib)
+                chosen, record = choose_method(model, tokenizer, settings, fmt, dataset)
+                method_record.update(record)
+                settings = settings.model_copy(update={"method": chosen})
             return quantized(stage, model, tokenizer, selected(model, tokenizer, None))
         console.print(f"quantize streamed ({human(plan.streamed)} estimated; in memory {human(plan.in_memory)})")
         map_large_blocks()
@@ -145,7 +161,9 @@ def run_quantize(
         bits = effective_bits(layers)
         selection_record = {
             "scheme": settings.scheme,
-            "algorithm": settings.algorithm,
+            "method": settings.method.name,
+            "method_settings": settings.method.model_dump(),
+            **({"method_choice": method_record} if method_record else {}),
             "effective_bits": bits,
             "effective_bits_all_weights": effective_bits(layers, only_quantizable=False),
             "ignore": settings.ignore,
@@ -157,6 +175,7 @@ def run_quantize(
         atomic.write_json(stage.path("quantize/selection.json"), selection_record)
         return {
             "scheme": settings.scheme,
+            "method": settings.method.name,
             "effective_bits": bits,
             "calibration_tokens": sum(len(ids) for ids in calibrated["input_ids"]) if calibrated else 0,
             "bytes_reference": _dir_bytes(checkpoint.path),

@@ -91,7 +91,7 @@ def build(run: Run) -> dict[str, Any]:
         "vocab_size": config.get("vocab_size"),
         "weights_in_selection": weights or None,
         "scheme": sel.get("scheme", metrics.get("scheme")),
-        "algorithm": sel.get("algorithm"),
+        "method": sel.get("method"),
         "effective_bits": sel.get("effective_bits", metrics.get("effective_bits")),
         "effective_bits_all_weights": sel.get("effective_bits_all_weights"),
         "bytes_reference": metrics.get("bytes_reference"),
@@ -113,4 +113,23 @@ def build(run: Run) -> dict[str, Any]:
         formats=format_table(layers),
         auto=auto_selection(sel),
         search=search_trace(as_list(sel.get("search"))),
+        method_choice=method_choice(sel.get("method_choice")),
     )
+
+
+def method_choice(record: object) -> dict[str, Any] | None:
+    """`method: auto`'s trace: each candidate's calibration KL, its gain in standard errors, kept."""
+    record = as_dict(record)
+    if not record:
+        return None
+    rows = [
+        {
+            "method": str(row.get("method")),
+            "mean_kld": row.get("mean_kld"),
+            "gain_z": row.get("gain_z"),
+            "kept": bool(row.get("kept")),
+            "seconds": row.get("seconds"),
+        }
+        for row in map(as_dict, as_list(record.get("trace")))
+    ]
+    return {"chosen": record.get("chosen"), "tokens": record.get("tokens"), "min_z": record.get("min_z"), "rows": rows}

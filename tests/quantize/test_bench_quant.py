@@ -1,4 +1,5 @@
-"""`onboard bench-quant` on the tiny llama: every method, every budget, one held-out split."""
+"""`onboard bench-quant` on the tiny llama: methods, both halves, every selection and budget, one
+held-out split."""
 
 import json
 from pathlib import Path
@@ -6,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from onboard.models import inspect_checkpoint
-from onboard.quantize.bench import METHODS, run_bench_quant
+from onboard.quantize.bench import SELECTIONS, run_bench_quant
 from onboard.quantize.groups import fits
 from onboard.recipes import Calibration, Eval, Quantize, Recipe, Search
 
@@ -15,19 +16,30 @@ RECIPE = Recipe(
     eval=Eval(max_tokens=512, window=64, per_layer_tokens=0),
 )
 BUDGETS = [5.0, 6.0]
+METHODS = ("rtn", "gptq", "spinquant", "smoothquant+expanded_mse")
 
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> dict:
     out = tmp_path_factory.mktemp("bench") / "bench-quant.json"
-    run_bench_quant(inspect_checkpoint(tiny_llama), RECIPE, BUDGETS, None, None, out)
+    run_bench_quant(inspect_checkpoint(tiny_llama), RECIPE, BUDGETS, None, None, out, METHODS)
     return json.loads(out.read_text())
 
 
-def test_every_method_has_a_row(bench: dict) -> None:
-    methods = [row["method"] for row in bench["rows"]]
-    assert set(methods) == set(METHODS)
-    assert methods.count("additive") == methods.count("search") == len(BUDGETS)
+def test_every_method_and_selection_has_a_row(bench: dict) -> None:
+    uniform = [r for r in bench["rows"] if r["selection"] == "uniform"]
+    assert [r["method"] for r in uniform if r["format"] == "nvfp4"] == list(METHODS)
+    best = min((r for r in uniform if r["format"] == "nvfp4"), key=lambda r: r["mean_kld"])
+    assert bench["best_method"] == best["method"]
+    # each single lever on the weights alone; the activations alone for the levers that move them
+    halves = {(r["method"], r["format"]) for r in uniform if r["format"] != "nvfp4"}
+    assert {("rtn", "nvfp4a16"), ("gptq", "nvfp4a16"), ("spinquant", "nvfp4a16")} <= halves
+    assert {m for m, f in halves if f == "nvfp4_activations"} >= {"rtn", "spinquant"}
+    assert ("gptq", "nvfp4_activations") not in halves
+    selections = [row["selection"] for row in bench["rows"]]
+    assert set(selections) == set(SELECTIONS)
+    assert selections.count("additive") == selections.count("search") == len(BUDGETS)
+    assert {r["method"] for r in bench["rows"] if r["selection"] != "uniform"} == {bench["best_method"]}
     for row in bench["rows"]:
         assert set(row) >= {"method", "budget", "effective_bits", "mean_kld", "top1_agreement", "seconds"}
         assert row["mean_kld"] >= 0 and 0 <= row["top1_agreement"] <= 1
@@ -35,13 +47,13 @@ def test_every_method_has_a_row(bench: dict) -> None:
 
 def test_budgets_are_respected_and_fixed_rows_carry_their_own_bits(bench: dict) -> None:
     for row in bench["rows"]:
-        if row["method"] in ("additive", "search"):
+        if row["selection"] in ("additive", "search"):
             assert row["budget"] in BUDGETS
             assert fits(row["effective_bits"], row["budget"])
         else:
             assert row["budget"] == pytest.approx(row["effective_bits"], abs=1e-4)
-    uniform = next(r for r in bench["rows"] if r["method"] == "uniform_nvfp4")
-    ends = next(r for r in bench["rows"] if r["method"] == "heuristic_ends_bf16")
+    uniform = next(r for r in bench["rows"] if r["method"] == "rtn" and r["format"] == "nvfp4")
+    ends = next(r for r in bench["rows"] if r["selection"] == "heuristic_ends_bf16")
     assert ends["effective_bits"] == 16.0 and ends["mean_kld"] < 1e-6  # 2 layers: both ends are all
     assert uniform["mean_kld"] > 0
 
@@ -49,7 +61,8 @@ def test_budgets_are_respected_and_fixed_rows_carry_their_own_bits(bench: dict) 
 def test_search_is_no_worse_than_additive_on_calibration_text(bench: dict) -> None:
     for budget in BUDGETS:
         additive, search = (
-            next(r for r in bench["rows"] if r["method"] == m and r["budget"] == budget) for m in ("additive", "search")
+            next(r for r in bench["rows"] if r["selection"] == m and r["budget"] == budget)
+            for m in ("additive", "search")
         )
         assert search["calibration_kld"] <= additive["calibration_kld"]
 

@@ -1,4 +1,4 @@
-"""`--algorithm gptq`: llmcompressor's GPTQModifier in the quantize stage and inside `auto`."""
+"""`--method gptq`: llmcompressor's GPTQModifier in the quantize stage and inside `auto`."""
 
 import json
 from pathlib import Path
@@ -27,7 +27,7 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> dic
         algorithm: quantize_into(
             tmp_path_factory.mktemp(algorithm),
             tiny_llama,
-            Quantize(scheme="nvfp4a16", algorithm=algorithm, calibration=CALIB),
+            Quantize(scheme="nvfp4a16", method=algorithm, calibration=CALIB),
         )
         for algorithm in ("rtn", "gptq")
     }
@@ -37,7 +37,7 @@ def test_gptq_runs_through_llmcompressor(artifacts) -> None:
     assert modifiers(artifacts["gptq"]) == {"GPTQModifier"}
     assert modifiers(artifacts["rtn"]) == {"QuantizationModifier"}
     selection = json.loads((artifacts["gptq"].parent / "quantize/selection.json").read_text())
-    assert selection["algorithm"] == "gptq"
+    assert selection["method"] == "gptq"
 
 
 def test_gptq_reconstructs_calibration_outputs_better_than_rtn(artifacts, tiny_llama: Path) -> None:
@@ -63,9 +63,9 @@ def test_gptq_reconstructs_calibration_outputs_better_than_rtn(artifacts, tiny_l
 
 def test_auto_search_uses_gptq_sources(tmp_path: Path, tiny_llama: Path) -> None:
     settings = Quantize(
-        scheme="auto", bits_budget=5.5, algorithm="gptq", calibration=CALIB, search=Search(tokens=128, steps=2)
+        scheme="auto", bits_budget=5.5, method="gptq", calibration=CALIB, search=Search(tokens=128, steps=2)
     )
     artifact = quantize_into(tmp_path, tiny_llama, settings)
     assert modifiers(artifact) == {"GPTQModifier"}
     selection = json.loads((tmp_path / "quantize/selection.json").read_text())
-    assert selection["algorithm"] == "gptq" and selection["search"]
+    assert selection["method"] == "gptq" and selection["search"]

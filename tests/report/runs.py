@@ -181,7 +181,7 @@ def selection() -> dict[str, Any]:
     layers["lm_head"] = {"format": "bf16", "bits": 16.0, "weights": 28_311_552, "quantizable": False}
     return {
         "scheme": "auto",
-        "algorithm": "rtn",
+        "method": "rtn",
         "effective_bits": 5.5,
         "effective_bits_all_weights": 7.1,
         "ignore": ["lm_head"],

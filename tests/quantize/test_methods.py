@@ -1,0 +1,90 @@
+"""`quantize.method`: names that compose, the modifier stack they give, rotations that leave the
+unquantized model alone, and `method: auto`'s rule for keeping a lever."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from onboard.errors import OnboardError
+from onboard.models import inspect_checkpoint, load_model, load_tokenizer
+from onboard.quantize.method_choice import choose_method, method_of
+from onboard.quantize.modifiers import modifier, rotated_copy
+from onboard.quantize.search import MIN_Z, gain_z
+from onboard.recipes import Calibration, Method, Quantize, Search
+
+
+def test_names_compose_in_llm_compressors_order() -> None:
+    method = method_of("expanded_mse+gptq+spinquant")
+    assert (method.algorithm, method.observer, method.rotations) == ("gptq", "nvfp4_expanded_mse", ["R1", "R2"])
+    assert method.name == "spinquant+gptq+expanded_mse"
+    assert method_of(method.name) == method
+    assert Method().name == "rtn" and method_of("fouroversix").name == "expanded_mse"
+    stack = modifier(Quantize(method=method), "nvfp4")
+    assert [type(m).__name__ for m in stack] == ["SpinQuantModifier", "GPTQModifier"]
+    assert stack[-1].weight_observer == "nvfp4_expanded_mse"
+    assert [type(m).__name__ for m in modifier(Quantize(method="awq"), "nvfp4")] == [
+        "AWQModifier",
+        "QuantizationModifier",
+    ]
+
+
+@pytest.mark.parametrize("name", ["gptq+autoround", "foo", "autoround+mse"])
+def test_bad_method_names_are_refused(name: str) -> None:
+    with pytest.raises(ValueError):
+        Quantize(method=name)
+
+
+def test_autoround_takes_no_pinned_formats() -> None:
+    with pytest.raises(OnboardError, match="no pinned formats"):
+        modifier(Quantize(method="autoround"), "nvfp4", {"fp8": ["re:.*o_proj$"]})
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="llm-compressor 0.14's SpinQuant on this llama moves fp32 logits by 6.4 with R1 or R2 alone, "
+    "whatever the block: the common steps (untie, embedding centering, norm fusion) are suspected (issue 24)",
+)
+def test_rotations_leave_the_unquantized_models_logits_unchanged(tiny_llama: Path) -> None:
+    checkpoint = inspect_checkpoint(tiny_llama)
+    model = load_model(checkpoint).float()
+    ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(0))
+    rotated = rotated_copy(model, load_tokenizer(checkpoint), method_of("spinquant"))
+    with torch.no_grad():
+        before, after = model(ids).logits, rotated(ids).logits
+    changed = rotated.model.layers[0].self_attn.q_proj.weight
+    assert not torch.allclose(changed, model.model.layers[0].self_attn.q_proj.weight)
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+
+
+def test_gain_rule_keeps_only_gains_beyond_two_standard_errors() -> None:
+    generator = torch.Generator().manual_seed(0)
+    best = torch.rand(4096, dtype=torch.float64, generator=generator)
+    noise = 0.05 * torch.randn(4096, dtype=torch.float64, generator=generator)
+    assert gain_z(best, best - 0.01 + noise) > MIN_Z  # built to pass: a small gain on every token
+    assert gain_z(best, best - 0.0005 + noise) < MIN_Z  # built to fail: within the noise
+    assert gain_z(best, best + 0.01 + noise) < 0
+
+
+def test_method_auto_trace_follows_the_rule(tiny_llama: Path) -> None:
+    from onboard.quantize.calibration import calibration_dataset
+
+    checkpoint = inspect_checkpoint(tiny_llama)
+    tokenizer = load_tokenizer(checkpoint)
+    settings = Quantize(
+        method="auto",
+        candidates=["rtn", "expanded_imatrix", "mse"],
+        calibration=Calibration(num_samples=4, max_seq_length=64),
+        search=Search(tokens=256),
+    )
+    dataset = calibration_dataset(tokenizer, settings.calibration, None)
+    chosen, record = choose_method(load_model(checkpoint), tokenizer, settings, "nvfp4", dataset)
+    trace = record["trace"]
+    assert [row["method"] for row in trace] == ["rtn", "expanded_imatrix", "mse"]  # rtn is measured once
+    best = trace[0]
+    for row in trace[1:]:
+        assert row["kept"] == (row["gain_z"] > MIN_Z)
+        if row["kept"]:
+            assert row["mean_kld"] < best["mean_kld"]
+            best = row
+    assert chosen.name == record["chosen"] == best["method"]
