@@ -40,11 +40,6 @@ def test_autoround_takes_no_pinned_formats() -> None:
         modifier(Quantize(method="autoround"), "nvfp4", {"fp8": ["re:.*o_proj$"]})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="llm-compressor 0.14's SpinQuant on this llama moves fp32 logits by 6.4 with R1 or R2 alone, "
-    "whatever the block: the common steps (untie, embedding centering, norm fusion) are suspected (issue 24)",
-)
 def test_rotations_leave_the_unquantized_models_logits_unchanged(tiny_llama: Path) -> None:
     checkpoint = inspect_checkpoint(tiny_llama)
     model = load_model(checkpoint).float()
