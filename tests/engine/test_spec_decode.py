@@ -58,8 +58,11 @@ def random_prompts(vocab_size: int, lengths: tuple[int, ...], seed: int = 7) -> 
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
 @pytest.mark.parametrize("k", [1, 3])
 def test_speculative_greedy_equals_plain_greedy(arch: str, k: int, dtype: torch.dtype, request) -> None:
+    """In fast numerics, whose kernels are measured batch invariant on this machine. Exact numerics
+    verifies k + 1 rows in one `F.linear` where plain decoding runs one, and oneDNN's AMX bf16
+    kernels sum a row differently at the two counts: there the tokens may part after a tie."""
     path = request.getfixturevalue(arch)
-    engine = make_engine(path, dtype)
+    engine = make_engine(path, dtype, numerics="fast")
     vocab_size = engine.vocab_size
     prompts = random_prompts(vocab_size, (5, 12, 31))
     params = greedy(24, logprobs=5)
@@ -69,7 +72,7 @@ def test_speculative_greedy_equals_plain_greedy(arch: str, k: int, dtype: torch.
     for batch in ([prompts[0]], [prompts[1]], [prompts[2]], prompts):  # alone, and batched with the others
         spec = engine.generate(batch, params)
         for a, b in zip(spec, [plain[prompts.index(p)] for p in batch], strict=True):
-            # Bit for bit in bf16 too: verification rows attend and multiply as decode rows do.
+            # Bit for bit in bf16 too: verification rows attend as decode rows and multiply batch invariantly.
             assert a.token_ids == b.token_ids
             if dtype == torch.float32:  # bf16 logits tie often in a tiny model; topk and argmax break ties apart
                 assert [top[0] for top in top_ids(a)] == a.token_ids  # each token is the target's top-1
