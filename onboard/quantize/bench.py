@@ -78,7 +78,29 @@ def run_bench_quant(
     reference = load_model(checkpoint)
     dataset = calibration_dataset(tokenizer, settings.calibration, calib)
     windows = eval_windows(tokenizer, recipe.eval, data)
+    result: dict[str, Any] = {
+        "model": str(checkpoint.path),
+        "data": str(data) if data else "builtin:eval",
+        "calibration": str(calib) if calib else "builtin:calib",
+        "settings": settings.model_dump(mode="json", exclude={"method", "candidates"}),
+        "eval": recipe.eval.model_dump(mode="json"),
+        "heldout_tokens": sum(len(w) - 1 for _, w in windows),
+    }
+    # A run takes hours with every method: each row is saved as it is measured, and a rerun with the
+    # same model, data and settings measures only the rows `out` lacks (more methods, budgets).
+    earlier = _earlier_run(out, result)
+    measured = {(r["selection"], r["method"], r["format"], r["budget"]): r for r in earlier.get("rows", [])}
     rows: list[dict[str, Any]] = []
+
+    def save() -> None:
+        atomic.write_json(out, {**result, "rows": rows})
+
+    def resumed(key: tuple) -> bool:
+        row = _find(measured, key)
+        if row is not None:
+            rows.append(row)
+            save()
+        return row is not None
 
     def score(selection: str, method: str, fmt: str, candidate, budget: float, bits: float, seconds: float, **extra):
         console.print(f"[bold]{selection} {method} {fmt}[/] at {bits:.3f} bits: scoring on held-out text")
@@ -95,15 +117,16 @@ def run_bench_quant(
             **extra,
         }
         rows.append(row)
+        save()
         console.print(f"  mean KLD {row['mean_kld']:.4f}, same top token {100 * row['top1_agreement']:.1f} %")
 
-    groups_of: dict[str, list[Group]] = {}
-
     def uniform(method: Method, fmt: str) -> None:
+        if resumed(("uniform", method.name, fmt, None)):
+            return
         clock = time.perf_counter()
         candidate = quantized_copy(reference, tokenizer, settings.model_copy(update={"method": method}), fmt, dataset)
         seconds = time.perf_counter() - clock
-        groups = groups_of.setdefault("groups", decision_groups(candidate))
+        groups = decision_groups(candidate)
         bits = effective_bits(groups, {g.name: fmt for g in groups})
         score("uniform", method.name, fmt, candidate, round(bits, 4), bits, seconds)
 
@@ -116,20 +139,32 @@ def run_bench_quant(
     # alone where the lever moves them (smoothing and rotations; the rest change only weights).
     for name in dict.fromkeys([*(name for name in methods if "+" not in name), best.name]):
         method = method_of(name)
-        uniform(method, "nvfp4a16")
+        if method.algorithm != "autoround":  # auto-round has no NVFP4A16 preset: it would round to nearest
+            uniform(method, "nvfp4a16")
         if method.algorithm == "rtn" and method.observer == "minmax":
             uniform(method, "nvfp4_activations")
 
     settings = settings.model_copy(update={"method": best})
+    keys = [(rule, best.name, "mixed", None) for rule in SELECTIONS[1:4]]
+    keys += [(kind, best.name, "mixed", budget) for budget in budgets for kind in ("additive", "search")]
+    if all(_find(measured, key) for key in keys):
+        rows.extend(_find(measured, key) for key in keys)
+        return _finish(out, {**result, "rows": rows, "best_method": best.name, **_facts(earlier)})
     selection = Selection(reference, tokenizer, settings, dataset, budgets)
     groups, composer, model = selection.groups, selection.composer, selection.model
     for rule, assignment in heuristics(groups, settings.base).items():
+        if resumed((rule, best.name, "mixed", None)):
+            continue
         bits = effective_bits(groups, assignment)
         composer.apply(assignment)
         score(rule, best.name, "mixed", model, round(bits, 4), bits, selection.seconds["sources"])
 
     record: dict[str, Any] = {}
     for budget in budgets:
+        if all(_find(measured, (kind, best.name, "mixed", budget)) for kind in ("additive", "search")):
+            for kind in ("additive", "search"):
+                resumed((kind, best.name, "mixed", budget))
+            continue
         final, record = selection.select(budget, settings.search.steps)
         additive = {**selection.uniform(), **record["additive"]["upgraded"]}
         ready = record["seconds"]
@@ -152,19 +187,43 @@ def run_bench_quant(
                 upgraded=upgraded,
             )
     composer.reset()
-    result = {
-        "model": str(checkpoint.path),
-        "data": str(data) if data else "builtin:eval",
-        "calibration": str(calib) if calib else "builtin:calib",
-        "heldout_tokens": sum(len(w) - 1 for _, w in windows),
-        "search_tokens": selection.replay.num_tokens,
-        "search_steps": settings.search.steps,
-        "best_method": best.name,
-        "rank_correlation": record["sensitivity"]["rank_correlation"] if budgets else None,
-        "rows": rows,
-    }
+    result.update(
+        search_tokens=selection.replay.num_tokens,
+        search_steps=settings.search.steps,
+        best_method=best.name,
+        rank_correlation=record["sensitivity"]["rank_correlation"] if record else earlier.get("rank_correlation"),
+    )
+    return _finish(out, {**result, "rows": rows})
+
+
+def _earlier_run(out: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """An earlier run into `out` with the same model, texts and settings ({} if none)."""
+    import json
+
+    if not out.is_file():
+        return {}
+    earlier = json.loads(out.read_text())
+    if any(earlier.get(key) != value for key, value in result.items()):
+        console.print(f"{out} was measured with other settings: measuring every row again")
+        return {}
+    console.print(f"{out}: the {len(earlier.get('rows', []))} rows measured before are kept")
+    return earlier
+
+
+def _facts(earlier: dict[str, Any]) -> dict[str, Any]:
+    return {k: earlier[k] for k in ("search_tokens", "search_steps", "rank_correlation") if k in earlier}
+
+
+def _find(measured: dict[tuple, dict[str, Any]], key: tuple) -> dict[str, Any] | None:
+    """A row by key; None for the budget of a row whose budget is its own effective bits."""
+    if key[3] is not None:
+        return measured.get(key)
+    return next((r for k, r in measured.items() if k[:3] == key[:3]), None)
+
+
+def _finish(out: Path, result: dict[str, Any]) -> dict[str, Any]:
     atomic.write_json(out, result)
-    console.print(bench_table(rows))
+    console.print(bench_table(result["rows"]))
     return result
 
 

@@ -6,9 +6,10 @@ from contextlib import contextmanager
 import torch
 from datasets import Dataset
 
-from onboard.errors import OnboardError
 from onboard.quantize.schemes import SCHEMES
 from onboard.recipes import Method, Quantize
+
+AUTOROUND_PRESETS = ("NVFP4",)  # the formats onboard runs that auto-round has a preset for
 
 
 def modifier(settings: Quantize, scheme: str, pinned: dict[str, list[str]] | None = None) -> list:
@@ -37,21 +38,36 @@ def modifier(settings: Quantize, scheme: str, pinned: dict[str, list[str]] | Non
     options: dict = {"ignore": ignore}
     if method.observer != "minmax":
         options["weight_observer"] = method.observer
-    if method.algorithm == "gptq":
-        cls = GPTQModifier
-        options.update(actorder=method.gptq_actorder, dampening_frac=method.gptq_dampening)
-    elif method.algorithm == "autoround":
-        # torch.compile of the tuning loop costs more than it saves on a CPU-sized iteration count
-        cls = AutoRoundModifier
-        options.update(iters=method.autoround_iters, enable_torch_compile=False)
-    else:
-        cls = QuantizationModifier
-    if method.algorithm == "autoround":
+    if method.algorithm == "autoround" and SCHEMES[scheme].preset in AUTOROUND_PRESETS:
         # AutoRoundModifier maps a preset name onto auto-round's own (NVFP4 -> nv_fp4); an explicit
-        # scheme reaches auto-round as data_type "fp", which has no 4-bit kernel.
-        if len(groups) > 1 or not SCHEMES[scheme].preset:
-            raise OnboardError("method autoround quantizes one preset format: it takes no pinned formats (auto)")
-        return [*stack, cls(scheme=SCHEMES[scheme].preset, targets=list(settings.targets), **options)]
+        # scheme reaches auto-round as data_type "fp", which has no 4-bit kernel. So it tunes the
+        # run's format on every target but the pinned ones, and a second modifier (llm-compressor
+        # runs several in one calibrated pass) rounds the pinned groups to nearest.
+        pins = [pattern for _, patterns in groups[1:] for pattern in patterns]
+        # torch.compile of the tuning loop costs more than it saves on a CPU-sized iteration count
+        tuned = AutoRoundModifier(
+            scheme=SCHEMES[scheme].preset,
+            targets=list(settings.targets),
+            ignore=ignore + pins,
+            iters=method.autoround_iters,
+            enable_torch_compile=False,
+        )
+        return [*stack, tuned, *([_quantizer(QuantizationModifier, groups[1:], options)] if pins else [])]
+    if method.algorithm == "gptq":
+        return [
+            *stack,
+            _quantizer(
+                GPTQModifier,
+                groups,
+                {**options, "actorder": method.gptq_actorder, "dampening_frac": method.gptq_dampening},
+            ),
+        ]
+    # rtn, and autoround's formats auto-round has no preset for (FP8 copies of a search): to nearest
+    return [*stack, _quantizer(QuantizationModifier, groups, options)]
+
+
+def _quantizer(cls, groups: list[tuple[str, list[str]]], options: dict):
+    """`cls` putting each (format, targets) group in its format."""
     if all(SCHEMES[fmt].preset for fmt, _ in groups):
         # llmcompressor's preset names, as its own examples write mixed recipes; they also keep
         # the saved recipe.yaml plain data (explicit config groups under GPTQ serialise an enum
@@ -59,9 +75,9 @@ def modifier(settings: Quantize, scheme: str, pinned: dict[str, list[str]] | Non
         presets: dict[str, list[str]] = {}
         for fmt, targets in groups:
             presets.setdefault(SCHEMES[fmt].preset, []).extend(targets)
-        return [*stack, cls(scheme=presets, **options)]
+        return cls(scheme=presets, **options)
     config_groups = {f"group_{i}": SCHEMES[fmt].quantization_scheme(targets) for i, (fmt, targets) in enumerate(groups)}
-    return [*stack, cls(config_groups=config_groups, **options)]
+    return cls(config_groups=config_groups, **options)
 
 
 def rotation(method: Method) -> list:
@@ -133,9 +149,35 @@ def _rotations_without_embedding_centering():
         SpinQuantModifier._center_embeddings = center
 
 
+@contextmanager
+def _autoround_leaves_other_modifiers_modules():
+    """llm-compressor 0.14's AutoRound tells auto-round to skip only the target modules with no
+    scheme, so a pinned module another modifier quantizes (an FP8 `o_proj` next to NVFP4) was
+    tuned in NVFP4 too and its scales then failed to map back. Those modules are skipped as well."""
+    from compressed_tensors.utils import match_named_modules
+    from llmcompressor.modifiers.autoround import AutoRoundModifier
+
+    unquantized = AutoRoundModifier.get_unquantized_layer_names
+
+    def skipped(self, layer: torch.nn.Module) -> list[str]:
+        own = self._match_autoround_targets(layer)
+        others = [name for name, module in match_named_modules(layer, self.resolved_targets) if module not in own]
+        return list(dict.fromkeys([*unquantized(self, layer), *others]))
+
+    AutoRoundModifier.get_unquantized_layer_names = skipped
+    try:
+        yield
+    finally:
+        AutoRoundModifier.get_unquantized_layer_names = unquantized
+
+
 def apply(model: torch.nn.Module, tokenizer, recipe, dataset: Dataset | None, max_seq_length: int) -> None:
     """llmcompressor oneshot, in place, on calibration `dataset` (None: data-free formats)."""
-    with _pinning_only_with_accelerator(), _rotations_without_embedding_centering():
+    with (
+        _pinning_only_with_accelerator(),
+        _rotations_without_embedding_centering(),
+        _autoround_leaves_other_modifiers_modules(),
+    ):
         _oneshot(model, tokenizer, recipe, dataset, max_seq_length)
 
 

@@ -67,6 +67,14 @@ def test_search_is_no_worse_than_additive_on_calibration_text(bench: dict) -> No
         assert search["calibration_kld"] <= additive["calibration_kld"]
 
 
+def test_a_rerun_keeps_every_row_measured_before(bench: dict, tmp_path: Path, tiny_llama: Path) -> None:
+    out = tmp_path / "bench-quant.json"
+    out.write_text(json.dumps(bench))
+    again = run_bench_quant(inspect_checkpoint(tiny_llama), RECIPE, BUDGETS, None, None, out, METHODS)
+    assert again["rows"] == bench["rows"]  # the measured seconds too: nothing was measured again
+    assert json.loads(out.read_text()) == bench
+
+
 def test_calibration_and_heldout_text_are_apart(bench: dict) -> None:
     assert bench["data"] == "builtin:eval" and bench["calibration"] == "builtin:calib"
     assert bench["heldout_tokens"] > 0

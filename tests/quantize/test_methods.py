@@ -1,12 +1,13 @@
 """`quantize.method`: names that compose, the modifier stack they give, rotations that leave the
 unquantized model alone, and `method: auto`'s rule for keeping a lever."""
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from artifacts import quantize_into
 
-from onboard.errors import OnboardError
 from onboard.models import inspect_checkpoint, load_model, load_tokenizer
 from onboard.quantize.method_choice import choose_method, method_of
 from onboard.quantize.modifiers import modifier, rotated_copy
@@ -35,9 +36,56 @@ def test_bad_method_names_are_refused(name: str) -> None:
         Quantize(method=name)
 
 
-def test_autoround_takes_no_pinned_formats() -> None:
-    with pytest.raises(OnboardError, match="no pinned formats"):
-        modifier(Quantize(method="autoround"), "nvfp4", {"fp8": ["re:.*o_proj$"]})
+def test_autoround_tunes_nvfp4_and_rounds_the_rest_to_nearest() -> None:
+    tuned, pinned = modifier(Quantize(method="autoround"), "nvfp4", {"fp8": ["re:.*o_proj$"]})
+    assert type(tuned).__name__ == "AutoRoundModifier" and tuned.scheme == "NVFP4"
+    assert "re:.*o_proj$" in tuned.ignore  # the pinned group is left to the second modifier
+    assert type(pinned).__name__ == "QuantizationModifier" and pinned.scheme == {"FP8_DYNAMIC": ["re:.*o_proj$"]}
+    # an FP8 copy of a search: auto-round has no preset for it, so it is rounded to nearest
+    assert [type(m).__name__ for m in modifier(Quantize(method="autoround"), "fp8")] == ["QuantizationModifier"]
+
+
+# One artifact per lever: smoothing (AWQ, SmoothQuant), rotations under GPTQ with an observer,
+# AutoRound next to a pinned FP8 group.
+ARTIFACT_METHODS = ("awq", "smoothquant+expanded_mse", "spinquant+gptq+expanded_mse", "autoround")
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> dict[str, Path]:
+    calibration = Calibration(num_samples=4, max_seq_length=64)
+    return {
+        name: quantize_into(
+            tmp_path_factory.mktemp(name.replace("+", "_")),
+            tiny_llama,
+            Quantize(
+                scheme="nvfp4",
+                method=name,
+                calibration=calibration,
+                formats={"fp8": ["re:.*o_proj$"]} if name == "autoround" else {},
+            ),
+        )
+        for name in ARTIFACT_METHODS
+    }
+
+
+@pytest.mark.parametrize("name", ARTIFACT_METHODS)
+def test_each_methods_artifact_loads_with_engine_parity(artifacts, tiny_llama: Path, name: str) -> None:
+    """A plain compressed-tensors NVFP4 checkpoint whichever lever made it: transformers loads it,
+    and the engine computes it as transformers does (adapt's rule for W4A4 artifacts)."""
+    from onboard.adapt.stage import measure_parity
+
+    artifact = artifacts[name]
+    config = json.loads((artifact / "config.json").read_text())["quantization_config"]
+    formats = {group["format"] for group in config["config_groups"].values()}
+    assert formats == ({"nvfp4-pack-quantized", "float-quantized"} if name == "autoround" else {"nvfp4-pack-quantized"})
+    selection = json.loads((artifact.parent / "quantize/selection.json").read_text())
+    assert selection["method"] == method_of(name).name
+    result = measure_parity(
+        inspect_checkpoint(artifact), torch.bfloat16, num_prompts=2, source=inspect_checkpoint(tiny_llama)
+    )
+    assert result["rule"] == "layerwise_distribution"
+    assert result["max_abs_logit_diff"] == 0.0  # exact numerics: transformers' own products
+    assert result["layerwise"]["passed"], result["layerwise"]
 
 
 def test_rotations_leave_the_unquantized_models_logits_unchanged(tiny_llama: Path) -> None:
