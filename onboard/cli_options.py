@@ -17,6 +17,10 @@ MethodOpt = Annotated[
         "imatrix, expanded_imatrix; spinquant (R1/R2 fused); smoothquant, awq. auto: measured on calibration text"
     ),
 ]
+DistillOpt = Annotated[
+    int | None,
+    typer.Option(help="train the NVFP4 block scales on KL to the unquantized model over N calibration tokens"),
+]
 StepsOpt = Annotated[int | None, typer.Option(help="auto: candidate selections measured after the additive one")]
 SearchTokOpt = Annotated[int | None, typer.Option(help="auto: calibration tokens each candidate is scored on")]
 RecipeOpt = Annotated[Path | None, typer.Option(help="recipes/NAME.yaml (default: matched by architecture)")]

@@ -8,6 +8,7 @@ import typer
 from onboard.cli_options import (
     CalibOpt,
     DataOpt,
+    DistillOpt,
     MaxMemoryOpt,
     PickleOpt,
     RecipeOpt,
@@ -52,6 +53,7 @@ def bench_quant(
     methods: Annotated[
         str | None, typer.Option(help="comma-separated methods measured at 4.5 bits (default: every one shipped)")
     ] = None,
+    distill_tokens: DistillOpt = None,
     data: DataOpt = None,
     calib: CalibOpt = None,
     recipe: RecipeOpt = None,
@@ -77,6 +79,7 @@ def bench_quant(
         checkpoint,
         recipe,
         {
+            "--distill-tokens": ("quantize.distill_tokens", distill_tokens),
             "--search-steps": ("quantize.search.steps", search_steps),
             "--search-tokens": ("quantize.search.tokens", search_tokens),
         },

@@ -128,6 +128,9 @@ class Quantize(_Strict):
     # SpinQuant is left out: as llm-compressor 0.14 applies it here, it is not logit-preserving (a
     # strict xfail in tests/quantize/test_methods.py); AutoRound takes minutes per layer on a CPU.
     candidates: list[str] = ["expanded_mse", "expanded_imatrix", "gptq+expanded_mse", "awq"]
+    # After the method: NVFP4 block scales trained on KL to the unquantized model over this many
+    # calibration tokens (0: none), kept only if the calibration KL does not rise.
+    distill_tokens: int = Field(0, ge=0)
     targets: list[str] = ["Linear"]
     ignore: list[str] = NEVER_QUANTIZE
     calibration: Calibration = Calibration()

@@ -2,6 +2,7 @@
 activations alone, then the best method's fixed rules and additive and searched selections, all
 scored in one run on the same held-out text (never the calibration text they were fitted on)."""
 
+import copy
 import time
 from pathlib import Path
 from typing import Any
@@ -15,9 +16,10 @@ from onboard.evaluate.stage import eval_windows, measure_kl
 from onboard.models import Checkpoint, load_model, load_tokenizer
 from onboard.quantize.auto import Selection
 from onboard.quantize.calibration import calibration_dataset
+from onboard.quantize.distill import distill_scales, distill_windows
 from onboard.quantize.groups import ATTENTION_KINDS, Group, decision_groups, effective_bits
 from onboard.quantize.method_choice import method_of
-from onboard.quantize.modifiers import quantized_copy
+from onboard.quantize.modifiers import apply, modifier, quantized_copy
 from onboard.recipes import Method, Recipe
 
 # Every accuracy method llm-compressor ships that keeps the artifact plain NVFP4, and the
@@ -82,7 +84,7 @@ def run_bench_quant(
         "model": str(checkpoint.path),
         "data": str(data) if data else "builtin:eval",
         "calibration": str(calib) if calib else "builtin:calib",
-        "settings": settings.model_dump(mode="json", exclude={"method", "candidates"}),
+        "settings": settings.model_dump(mode="json", exclude={"method", "candidates", "distill_tokens"}),
         "eval": recipe.eval.model_dump(mode="json"),
         "heldout_tokens": sum(len(w) - 1 for _, w in windows),
     }
@@ -130,6 +132,24 @@ def run_bench_quant(
         bits = effective_bits(groups, {g.name: fmt for g in groups})
         score("uniform", method.name, fmt, candidate, round(bits, 4), bits, seconds)
 
+    def distilled(tokens: int, names) -> None:
+        """Uniform NVFP4 with the method, then its block scales distilled on `tokens` calibration tokens."""
+        windows = distill_windows(dataset["input_ids"], tokens)
+        for name in names:
+            row = _find(measured, ("distilled", name, "nvfp4", None))
+            if row is not None and row["distill"]["tokens"] == sum(len(w) for w in windows):
+                resumed(("distilled", name, "nvfp4", None))
+                continue
+            clock = time.perf_counter()
+            candidate = copy.deepcopy(reference)
+            recipe_of = modifier(settings.model_copy(update={"method": method_of(name)}), "nvfp4")
+            apply(candidate, tokenizer, recipe_of, dataset, settings.calibration.max_seq_length)
+            record = distill_scales(candidate, reference, windows)
+            seconds = time.perf_counter() - clock
+            groups = decision_groups(candidate)
+            bits = effective_bits(groups, {g.name: "nvfp4" for g in groups})
+            score("distilled", name, "nvfp4", candidate.eval(), round(bits, 4), bits, seconds, distill=record)
+
     for name in methods:
         uniform(method_of(name), "nvfp4")
     best_row = min((r for r in rows if r["format"] == "nvfp4"), key=lambda r: r["mean_kld"])
@@ -143,6 +163,9 @@ def run_bench_quant(
             uniform(method, "nvfp4a16")
         if method.algorithm == "rtn" and method.observer == "minmax":
             uniform(method, "nvfp4_activations")
+
+    if recipe.quantize.distill_tokens:
+        distilled(recipe.quantize.distill_tokens, dict.fromkeys(["rtn", best.name]))
 
     settings = settings.model_copy(update={"method": best})
     keys = [(rule, best.name, "mixed", None) for rule in SELECTIONS[1:4]]

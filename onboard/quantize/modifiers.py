@@ -28,7 +28,10 @@ def modifier(settings: Quantize, scheme: str, pinned: dict[str, list[str]] | Non
         raise ValueError("method auto is chosen before modifiers are built")
     pinned = {fmt: list(patterns) for fmt, patterns in (pinned or {}).items() if patterns}
     ignore = list(settings.ignore) + pinned.pop("bf16", [])
-    groups = [(scheme, list(settings.targets)), *sorted(pinned.items())]
+    # Pinned groups first: compressed-tensors credits a module to the first target it matches, so
+    # with "Linear" ahead every pinned pattern looked unmatched and it warned "Could not match"
+    # for groups it applied all the same (it picks the scheme by the most specific target).
+    groups = [*sorted(pinned.items()), (scheme, list(settings.targets))]
     stack: list = []
     if method.smoothing == "smoothquant":
         stack.append(SmoothQuantModifier(smoothing_strength=method.smoothing_strength, ignore=ignore))
@@ -43,7 +46,7 @@ def modifier(settings: Quantize, scheme: str, pinned: dict[str, list[str]] | Non
         # scheme reaches auto-round as data_type "fp", which has no 4-bit kernel. So it tunes the
         # run's format on every target but the pinned ones, and a second modifier (llm-compressor
         # runs several in one calibrated pass) rounds the pinned groups to nearest.
-        pins = [pattern for _, patterns in groups[1:] for pattern in patterns]
+        pins = [pattern for _, patterns in groups[:-1] for pattern in patterns]
         # torch.compile of the tuning loop costs more than it saves on a CPU-sized iteration count
         tuned = AutoRoundModifier(
             scheme=SCHEMES[scheme].preset,
@@ -52,7 +55,7 @@ def modifier(settings: Quantize, scheme: str, pinned: dict[str, list[str]] | Non
             iters=method.autoround_iters,
             enable_torch_compile=False,
         )
-        return [*stack, tuned, *([_quantizer(QuantizationModifier, groups[1:], options)] if pins else [])]
+        return [*stack, tuned, *([_quantizer(QuantizationModifier, groups[:-1], options)] if pins else [])]
     if method.algorithm == "gptq":
         return [
             *stack,

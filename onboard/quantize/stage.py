@@ -1,5 +1,6 @@
 """The quantize stage: llmcompressor oneshot to a compressed-tensors checkpoint in artifact/."""
 
+import copy
 import os
 import shutil
 from dataclasses import replace
@@ -20,6 +21,7 @@ from onboard.quantize import distributed, modifiers
 from onboard.quantize.auto import Selection, artifact_kld
 from onboard.quantize.bits import effective_bits, is_quantizable, layer_bits
 from onboard.quantize.calibration import calibration_dataset
+from onboard.quantize.distill import distill_scales, distill_windows
 from onboard.quantize.method_choice import choose_method
 from onboard.quantize.modifiers import needs_calibration, offloaded_copy
 from onboard.quantize.offloaded import conversion_mappings_kept, is_offloaded, load_offloaded
@@ -69,10 +71,10 @@ def run_quantize(
     budget = resolve_budget(max_memory)
     plan = quantize_plan(checkpoint, settings, budget)
     distributed.check(settings.scheme, settings.calibration.num_samples)
-    if plan.path == "streamed" and (settings.method == "auto" or settings.method.rotations):
+    if plan.path == "streamed" and (settings.method == "auto" or settings.method.rotations or settings.distill_tokens):
         raise OnboardError(
-            f"quantize is over the memory budget ({human(plan.in_memory)} in memory): method auto and "
-            "rotations run in memory only; name a method without rotations (--method)"
+            f"quantize is over the memory budget ({human(plan.in_memory)} in memory): method auto, rotations "
+            "and --distill-tokens run in memory only; name a method without rotations (--method)"
         )
 
     method_record: dict[str, Any] = {}
@@ -136,15 +138,28 @@ def run_quantize(
         for fmt, patterns in sorted(pinned.items()):
             console.print(f"  {len(patterns)} pinned to {fmt}: {SCHEMES[fmt].summary}")
         calibrated = None
-        if needs_calibration(settings, {scheme, *pinned}):
+        calibrates = needs_calibration(settings, {scheme, *pinned})
+        if calibrates or settings.distill_tokens:
             calibrated = dataset if dataset is not None else calibration_dataset(tokenizer, settings.calibration, calib)
+        # Distillation's teacher: the unquantized model, a second copy in memory (this path is in memory).
+        teacher = copy.deepcopy(model).eval() if settings.distill_tokens else None
         modifiers.apply(
             model,
             tokenizer,
             modifiers.modifier(settings, scheme, pinned),
-            None if calibrated is None else distributed.share(calibrated),
+            distributed.share(calibrated) if calibrates else None,
             settings.calibration.max_seq_length,
         )
+        distilled: dict[str, Any] = {}
+        if teacher is not None:
+            windows = distill_windows(calibrated["input_ids"], settings.distill_tokens)
+            distilled = distill_scales(model, teacher, windows)
+            del teacher
+            console.print(
+                f"distilled NVFP4 scales on {distilled['tokens']} tokens: calibration KL "
+                f"{distilled['calibration_kld_before']:.4f} -> {distilled['calibration_kld_after']:.4f}"
+                + ("" if distilled["kept"] else " (not kept: it rose)")
+            )
         offloaded = is_offloaded(model)
         if auto and not offloaded:  # the artifact scored on the search's tokens: the search's best under RTN
             auto["artifact_kld"] = selection.replay.mean_kl()[0]
@@ -164,6 +179,7 @@ def run_quantize(
             "method": settings.method.name,
             "method_settings": settings.method.model_dump(),
             **({"method_choice": method_record} if method_record else {}),
+            **({"distill": distilled} if distilled else {}),
             "effective_bits": bits,
             "effective_bits_all_weights": effective_bits(layers, only_quantizable=False),
             "ignore": settings.ignore,
@@ -176,6 +192,7 @@ def run_quantize(
         return {
             "scheme": settings.scheme,
             "method": settings.method.name,
+            **({"distilled": distilled["kept"]} if distilled else {}),
             "effective_bits": bits,
             "calibration_tokens": sum(len(ids) for ids in calibrated["input_ids"]) if calibrated else 0,
             "bytes_reference": _dir_bytes(checkpoint.path),

@@ -12,7 +12,11 @@ from onboard.quantize.groups import fits
 from onboard.recipes import Calibration, Eval, Quantize, Recipe, Search
 
 RECIPE = Recipe(
-    quantize=Quantize(calibration=Calibration(num_samples=4, max_seq_length=64), search=Search(tokens=128, steps=3)),
+    quantize=Quantize(
+        calibration=Calibration(num_samples=4, max_seq_length=64),
+        search=Search(tokens=128, steps=3),
+        distill_tokens=128,
+    ),
     eval=Eval(max_tokens=512, window=64, per_layer_tokens=0),
 )
 BUDGETS = [5.0, 6.0]
@@ -37,12 +41,22 @@ def test_every_method_and_selection_has_a_row(bench: dict) -> None:
     assert {m for m, f in halves if f == "nvfp4_activations"} >= {"rtn", "spinquant"}
     assert ("gptq", "nvfp4_activations") not in halves
     selections = [row["selection"] for row in bench["rows"]]
-    assert set(selections) == set(SELECTIONS)
+    assert set(selections) == {*SELECTIONS, "distilled"}
     assert selections.count("additive") == selections.count("search") == len(BUDGETS)
-    assert {r["method"] for r in bench["rows"] if r["selection"] != "uniform"} == {bench["best_method"]}
+    chosen = {r["method"] for r in bench["rows"] if r["selection"] not in ("uniform", "distilled")}
+    assert chosen == {bench["best_method"]}
     for row in bench["rows"]:
         assert set(row) >= {"method", "budget", "effective_bits", "mean_kld", "top1_agreement", "seconds"}
         assert row["mean_kld"] >= 0 and 0 <= row["top1_agreement"] <= 1
+
+
+def test_distilled_rows_train_the_scales_of_rtn_and_the_best_method(bench: dict) -> None:
+    distilled = {r["method"]: r for r in bench["rows"] if r["selection"] == "distilled"}
+    assert set(distilled) == {"rtn", bench["best_method"]}
+    for row in distilled.values():
+        record = row["distill"]
+        assert record["tokens"] == 128
+        assert record["calibration_kld_after"] <= record["calibration_kld_before"]
 
 
 def test_budgets_are_respected_and_fixed_rows_carry_their_own_bits(bench: dict) -> None:
