@@ -33,6 +33,7 @@ def distill_scales(student: torch.nn.Module, teacher: torch.nn.Module, windows: 
     scaled = _nvfp4_modules(student)
     if not scaled:
         return {"tokens": 0, "kept": False, "reason": "no NVFP4 weights"}
+    device = next(student.parameters()).device
     before = calibration_kl(student, teacher, windows)
     originals = {name: module.weight_scale.data.clone() for name, module in scaled.items()}
     logs = {
@@ -51,7 +52,7 @@ def distill_scales(student: torch.nn.Module, teacher: torch.nn.Module, windows: 
     with _trainable_forwards(scaled, originals, logs), Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("distilling NVFP4 scales", total=steps, loss=before)
         for step in range(steps):
-            ids = windows[step % len(windows)][None]
+            ids = windows[step % len(windows)][None].to(device)
             with torch.no_grad():
                 target = F.log_softmax(teacher(ids).logits.float(), -1)
             loss = _kl(target, F.log_softmax(student(ids).logits.float(), -1)).mean()
@@ -87,9 +88,10 @@ def calibration_kl(student: torch.nn.Module, teacher: torch.nn.Module, windows: 
     """Mean per-token KL(teacher || student) over `windows`, through compressed-tensors' own forward."""
     total, count = 0.0, 0
     with torch.no_grad():
-        for ids in windows:
-            target = F.log_softmax(teacher(ids[None]).logits.float(), -1)
-            kl = _kl(target, F.log_softmax(student(ids[None]).logits.float(), -1))
+        for window in windows:
+            ids = window[None].to(next(student.parameters()).device)
+            target = F.log_softmax(teacher(ids).logits.float(), -1)
+            kl = _kl(target, F.log_softmax(student(ids).logits.float(), -1))
             total, count = total + float(kl.sum()), count + kl.numel()
     return total / count
 
