@@ -13,7 +13,7 @@ from onboard.evaluate.replay import LayerReplay
 from onboard.quantize.compose import Composer
 from onboard.quantize.groups import Group, decision_groups, effective_bits
 from onboard.quantize.knapsack import additive_selection, check_budget, predicted_kl
-from onboard.quantize.modifiers import quantized_copy, rotated_copy
+from onboard.quantize.modifiers import prepared_copy, quantized_copy
 from onboard.quantize.offloaded import is_offloaded
 from onboard.quantize.schemes import LADDERS
 from onboard.quantize.search import Measurer, measured_search
@@ -87,13 +87,22 @@ class Selection:
     ) -> None:
         self.settings = settings
         self.ladder = LADDERS[settings.base]
-        # BF16 groups come from the model as rotated as the quantized copies, whose rotations are
-        # fused whole (embeddings, norms, every linear): unrotated modules beside them are wrong.
-        rotated = isinstance(settings.method, Method) and settings.method.rotations
-        self.model = rotated_copy(model, tokenizer, settings.method) if rotated else model
         self.seconds: dict[str, float] = {}
         self.sources = {}
-        source = source or (lambda fmt: quantized_copy(model, tokenizer, settings, fmt, dataset))
+        if source is None:
+            # Every copy and the BF16 groups share one smoothing and rotation, fused whole (norms,
+            # embeddings, linears): modules of differently transformed models do not compose.
+            clock = time.perf_counter()
+            base = settings.model_copy(update={"scheme": settings.base})
+            model, rest = prepared_copy(model, tokenizer, base, dataset)
+            self.seconds["prepared"] = time.perf_counter() - clock
+
+            def source(fmt: str) -> torch.nn.Module:
+                return quantized_copy(model, tokenizer, rest, fmt, dataset)
+
+        elif isinstance(settings.method, Method) and (settings.method.smoothing != "none" or settings.method.rotations):
+            raise ValueError("a selection with smoothing or rotations makes its own sources (in memory)")
+        self.model = model
         for fmt in self.ladder[:-1]:  # BF16 is the model itself
             clock = time.perf_counter()
             self.sources[fmt] = source(fmt)

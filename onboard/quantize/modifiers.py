@@ -107,6 +107,42 @@ def rotated_copy(model: torch.nn.Module, tokenizer, method: Method) -> torch.nn.
     return rotated.eval()
 
 
+def prepared_copy(
+    model: torch.nn.Module, tokenizer, settings: Quantize, dataset: Dataset | None
+) -> tuple[torch.nn.Module, Quantize]:
+    """What a search's format copies share: `model` with `settings.method`'s smoothing and rotations
+    fused and nothing quantized, and the settings that quantize it further (the method less them).
+
+    Copies made from `model` each with the whole method would each carry their own smoothing
+    scales (AWQ searches them per format), and groups taken from one beside norms and groups of
+    another would compute another function. So smoothing is found once, for `settings.scheme`
+    with the whole method, and kept without its quantization; rotations are deterministic."""
+    method = settings.method
+    if method.smoothing == "none" and not method.rotations:
+        return model, settings
+    rest = settings.model_copy(update={"method": method.model_copy(update={"smoothing": "none", "rotations": []})})
+    if method.smoothing == "none":
+        return rotated_copy(model, tokenizer, method), rest
+    prepared = copy.deepcopy(model)
+    apply(prepared, tokenizer, modifier(settings, settings.scheme), dataset, settings.calibration.max_seq_length)
+    return _without_quantization(prepared).eval(), rest
+
+
+def _without_quantization(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` after oneshot with its weights as calibrated (smoothed, rotated) and compressed-tensors'
+    quantization removed: no schemes, no quantization parameters. Each module keeps the forward
+    compressed-tensors wrapped, which quantizes nothing without a scheme and which a later oneshot
+    wraps again (removing it left the next oneshot's activation quantization unwired)."""
+    for module in model.modules():
+        if getattr(module, "quantization_scheme", None) is None:
+            continue
+        for name in [name for name in module._parameters if name not in ("weight", "bias")]:
+            del module._parameters[name]
+        for name in ("quantization_scheme", "quantization_status", "quantization_enabled"):
+            module.__dict__.pop(name, None)
+    return model
+
+
 def needs_calibration(settings: Quantize, formats: set[str]) -> bool:
     method = settings.method
     return (

@@ -71,10 +71,15 @@ def run_quantize(
     budget = resolve_budget(max_memory)
     plan = quantize_plan(checkpoint, settings, budget)
     distributed.check(settings.scheme, settings.calibration.num_samples)
-    if plan.path == "streamed" and (settings.method == "auto" or settings.method.rotations or settings.distill_tokens):
+    if plan.path == "streamed" and (
+        settings.method == "auto"
+        or settings.method.rotations
+        or settings.distill_tokens
+        or (settings.scheme == "auto" and settings.method.smoothing != "none")
+    ):
         raise OnboardError(
-            f"quantize is over the memory budget ({human(plan.in_memory)} in memory): method auto, rotations "
-            "and --distill-tokens run in memory only; name a method without rotations (--method)"
+            f"quantize is over the memory budget ({human(plan.in_memory)} in memory): method auto, rotations, "
+            "a search with smoothing and --distill-tokens run in memory only"
         )
 
     method_record: dict[str, Any] = {}

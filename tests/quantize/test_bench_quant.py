@@ -68,8 +68,10 @@ def test_budgets_are_respected_and_fixed_rows_carry_their_own_bits(bench: dict) 
             assert row["budget"] == pytest.approx(row["effective_bits"], abs=1e-4)
     uniform = next(r for r in bench["rows"] if r["method"] == "rtn" and r["format"] == "nvfp4")
     ends = next(r for r in bench["rows"] if r["selection"] == "heuristic_ends_bf16")
-    assert ends["effective_bits"] == 16.0 and ends["mean_kld"] < 1e-6  # 2 layers: both ends are all
     assert uniform["mean_kld"] > 0
+    # 2 layers: both ends are all of it, in BF16 from the best method's smoothed (or rotated) model,
+    # the reference up to the bf16 rounding of its transformed weights
+    assert ends["effective_bits"] == 16.0 and ends["mean_kld"] < 0.01 * uniform["mean_kld"]
 
 
 def test_search_is_no_worse_than_additive_on_calibration_text(bench: dict) -> None:

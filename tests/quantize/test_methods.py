@@ -148,3 +148,28 @@ def test_pinned_groups_apply_without_could_not_match_warnings(tiny_llama: Path, 
     assert layers[0].self_attn.o_proj.quantization_scheme.weights.num_bits == 8
     assert layers[0].self_attn.q_proj.quantization_scheme.weights.num_bits == 4
     assert getattr(layers[1].mlp.down_proj, "quantization_scheme", None) is None
+
+
+@pytest.mark.parametrize("name", ["awq", "smoothquant", "spinquant"])
+def test_a_searchs_copies_share_one_smoothing_and_rotation(tiny_llama: Path, name: str) -> None:
+    """The prepared model computes the original function; the search's copies are made from it, so
+    its uniform assignment composed from them is the model the whole method quantizes."""
+    from onboard.evaluate.replay import LayerReplay
+    from onboard.quantize.auto import search_windows
+    from onboard.quantize.calibration import calibration_dataset
+    from onboard.quantize.modifiers import prepared_copy, quantized_copy
+
+    checkpoint = inspect_checkpoint(tiny_llama)
+    tokenizer = load_tokenizer(checkpoint)
+    model = load_model(checkpoint).float()
+    settings = Quantize(method=name, calibration=Calibration(num_samples=4, max_seq_length=64))
+    dataset = calibration_dataset(tokenizer, settings.calibration, None)
+    prepared, rest = prepared_copy(model, tokenizer, settings, dataset)
+    assert prepared is not model and rest.method == Method(observer=settings.method.observer)
+    ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(prepared(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+    replay = LayerReplay(model, search_windows(dataset, 128))
+    whole = replay.model_kl(quantized_copy(model, tokenizer, settings, "nvfp4", dataset)).mean()
+    shared = replay.model_kl(quantized_copy(prepared, tokenizer, rest, "nvfp4", dataset)).mean()
+    assert float(shared) == pytest.approx(float(whole), rel=1e-6)
