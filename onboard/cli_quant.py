@@ -8,7 +8,6 @@ import typer
 from onboard.cli_options import (
     CalibOpt,
     DataOpt,
-    DistillOpt,
     MaxMemoryOpt,
     PickleOpt,
     RecipeOpt,
@@ -53,7 +52,9 @@ def bench_quant(
     methods: Annotated[
         str | None, typer.Option(help="comma-separated methods measured at 4.5 bits (default: every one shipped)")
     ] = None,
-    distill_tokens: DistillOpt = None,
+    distill_tokens: Annotated[
+        int | None, typer.Option(help="add RTN and the best method with NVFP4 scales distilled on N tokens")
+    ] = None,
     data: DataOpt = None,
     calib: CalibOpt = None,
     recipe: RecipeOpt = None,

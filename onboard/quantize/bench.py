@@ -1,8 +1,11 @@
 """`onboard bench-quant`: every quantization method at 4.5 bits, each lever on the weights and on the
-activations alone, then the best method's fixed rules and additive and searched selections, all
-scored in one run on the same held-out text (never the calibration text they were fitted on)."""
+activations alone, RTN and the best method with distilled scales (`--distill-tokens`), then the
+best method's fixed rules and additive and searched selections, all scored on the same held-out
+text (never the calibration text they were fitted on). Rows are saved as they are measured and
+a rerun on the same file measures only those it lacks."""
 
 import copy
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,7 @@ from onboard.quantize.calibration import calibration_dataset
 from onboard.quantize.distill import distill_scales, distill_windows
 from onboard.quantize.groups import ATTENTION_KINDS, Group, decision_groups, effective_bits
 from onboard.quantize.method_choice import method_of
-from onboard.quantize.modifiers import apply, modifier, quantized_copy
+from onboard.quantize.modifiers import apply, modifier, prepared_copy, quantized_copy
 from onboard.recipes import Method, Recipe
 
 # Every accuracy method llm-compressor ships that keeps the artifact plain NVFP4, and the
@@ -70,8 +73,9 @@ def run_bench_quant(
     methods: tuple[str, ...] = METHODS,
 ) -> dict[str, Any]:
     """Every method uniform at 4.5 bits (NVFP4 W4A4), each lever also on one half of the damage
-    (weights only: NVFP4A16; activations only, for the levers that move activations), then the best
-    method through the fixed rules and the searched selection at each budget."""
+    (weights only: NVFP4A16; activations only, for the levers that move activations), RTN and the
+    best method distilled when the recipe sets `distill_tokens`, then the best method through the
+    fixed rules and the searched selection at each budget."""
     settings = recipe.quantize.model_copy(
         update={"scheme": "nvfp4", "bits_budget": None, "base": "nvfp4", "formats": {}, "method": Method()}
     )
@@ -91,11 +95,16 @@ def run_bench_quant(
     # A run takes hours with every method: each row is saved as it is measured, and a rerun with the
     # same model, data and settings measures only the rows `out` lacks (more methods, budgets).
     earlier = _earlier_run(out, result)
-    measured = {(r["selection"], r["method"], r["format"], r["budget"]): r for r in earlier.get("rows", [])}
+    measured = {_key(row): row for row in earlier.get("rows", [])}
     rows: list[dict[str, Any]] = []
 
+    def kept() -> list[dict[str, Any]]:
+        """This run's rows, then those measured before that it has not reached (or does not run)."""
+        done = {_key(row) for row in rows}
+        return rows + [row for key, row in measured.items() if key not in done]
+
     def save() -> None:
-        atomic.write_json(out, {**result, "rows": rows})
+        atomic.write_json(out, {**result, **_facts(earlier), "rows": kept()})
 
     def resumed(key: tuple) -> bool:
         row = _find(measured, key)
@@ -126,7 +135,14 @@ def run_bench_quant(
         if resumed(("uniform", method.name, fmt, None)):
             return
         clock = time.perf_counter()
-        candidate = quantized_copy(reference, tokenizer, settings.model_copy(update={"method": method}), fmt, dataset)
+        with_method = settings.model_copy(update={"method": method})
+        if fmt == "nvfp4_activations":
+            # The lever as found for NVFP4 (AWQ's scales are searched against the weights' error,
+            # which this format has none of), then the activations alone quantized.
+            prepared, rest = prepared_copy(reference, tokenizer, with_method, dataset)
+            candidate = quantized_copy(prepared, tokenizer, rest, fmt, dataset)
+        else:
+            candidate = quantized_copy(reference, tokenizer, with_method, fmt, dataset)
         seconds = time.perf_counter() - clock
         groups = decision_groups(candidate)
         bits = effective_bits(groups, {g.name: fmt for g in groups})
@@ -152,7 +168,10 @@ def run_bench_quant(
 
     for name in methods:
         uniform(method_of(name), "nvfp4")
-    best_row = min((r for r in rows if r["format"] == "nvfp4"), key=lambda r: r["mean_kld"])
+    # over every uniform NVFP4 row the file holds: a rerun of fewer methods keeps the best
+    best_row = min(
+        (r for r in kept() if r["selection"] == "uniform" and r["format"] == "nvfp4"), key=lambda r: r["mean_kld"]
+    )
     best = method_of(best_row["method"])
     console.print(f"best uniform method: {best.name} (mean KLD {best_row['mean_kld']:.4f})")
     # One lever at a time (and the best), on each half: the weights alone, and the activations
@@ -172,8 +191,10 @@ def run_bench_quant(
     keys += [(kind, best.name, "mixed", budget) for budget in budgets for kind in ("additive", "search")]
     if all(_find(measured, key) for key in keys):
         rows.extend(_find(measured, key) for key in keys)
-        return _finish(out, {**result, "rows": rows, "best_method": best.name, **_facts(earlier)})
-    selection = Selection(reference, tokenizer, settings, dataset, budgets)
+        return _finish(out, {**result, "rows": kept(), "best_method": best.name, **_facts(earlier)})
+    # its own copy: the composer swaps groups into the model it is given, and `score` compares with
+    # `reference` (a method without smoothing or rotations composes on the model itself)
+    selection = Selection(copy.deepcopy(reference), tokenizer, settings, dataset, budgets)
     groups, composer, model = selection.groups, selection.composer, selection.model
     for rule, assignment in heuristics(groups, settings.base).items():
         if resumed((rule, best.name, "mixed", None)):
@@ -216,13 +237,15 @@ def run_bench_quant(
         best_method=best.name,
         rank_correlation=record["sensitivity"]["rank_correlation"] if record else earlier.get("rank_correlation"),
     )
-    return _finish(out, {**result, "rows": rows})
+    return _finish(out, {**result, "rows": kept()})
+
+
+def _key(row: dict[str, Any]) -> tuple:
+    return row["selection"], row["method"], row["format"], row["budget"]
 
 
 def _earlier_run(out: Path, result: dict[str, Any]) -> dict[str, Any]:
     """An earlier run into `out` with the same model, texts and settings ({} if none)."""
-    import json
-
     if not out.is_file():
         return {}
     earlier = json.loads(out.read_text())

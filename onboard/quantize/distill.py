@@ -31,26 +31,22 @@ def distill_scales(student: torch.nn.Module, teacher: torch.nn.Module, windows: 
     `teacher` over `windows` (token ids, one sequence each); the record of what it did."""
     clock = time.perf_counter()
     scaled = _nvfp4_modules(student)
-    if not scaled:
-        return {"tokens": 0, "kept": False, "reason": "no NVFP4 weights"}
+    if not scaled or not windows:
+        raise ValueError("distillation needs NVFP4 weights and at least one calibration window")
     device = next(student.parameters()).device
     before = calibration_kl(student, teacher, windows)
     originals = {name: module.weight_scale.data.clone() for name, module in scaled.items()}
-    logs = {
-        name: torch.zeros_like(module.weight_scale, dtype=torch.float32, requires_grad=True)
-        for name, module in scaled.items()
-    }
-    optimizer = torch.optim.Adam(logs.values(), lr=LEARNING_RATE)
+    log_scales = {name: torch.zeros(module.weight_scale.shape, requires_grad=True) for name, module in scaled.items()}
+    optimizer = torch.optim.Adam(log_scales.values(), lr=LEARNING_RATE)
     steps = EPOCHS * len(windows)
     losses = []
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}"),
-        TimeRemainingColumn(),
-    )
-    with _trainable_forwards(scaled, originals, logs), Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task("distilling NVFP4 scales", total=steps, loss=before)
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("KL {task.fields[kl]:.4f}"))
+    with (
+        _frozen(student),
+        _trainable_forwards(student, scaled, originals, log_scales),
+        Progress(*columns, TimeRemainingColumn(), console=console, transient=True) as bar,
+    ):
+        task = bar.add_task("distilling NVFP4 scales", total=steps, kl=before)
         for step in range(steps):
             ids = windows[step % len(windows)][None].to(device)
             with torch.no_grad():
@@ -60,10 +56,10 @@ def distill_scales(student: torch.nn.Module, teacher: torch.nn.Module, windows: 
             loss.backward()
             optimizer.step()
             losses.append(float(loss))
-            bar.update(task, advance=1, loss=losses[-1])
+            bar.update(task, advance=1, kl=losses[-1])
     with torch.no_grad():
         for name, module in scaled.items():
-            module.weight_scale.data = _trained(originals[name], logs[name]).to(module.weight_scale.dtype)
+            module.weight_scale.data = _fp8_scale(originals[name], log_scales[name]).to(module.weight_scale.dtype)
     after = calibration_kl(student, teacher, windows)
     kept = after <= before
     if not kept:
@@ -77,7 +73,7 @@ def distill_scales(student: torch.nn.Module, teacher: torch.nn.Module, windows: 
         "calibration_kld_before": before,
         "calibration_kld_after": after,
         "kept": kept,
-        "scales_changed": changed if kept else 0,
+        "scales_changed": changed,
         "first_loss": losses[0],
         "last_loss": losses[-1],
         "seconds": round(time.perf_counter() - clock, 1),
@@ -124,49 +120,83 @@ def _nvfp4_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return found
 
 
-def _trained(original: torch.Tensor, log: torch.Tensor) -> torch.Tensor:
-    """original · e^log rounded to FP8 E4M3, the rounding passed straight through."""
-    scale = original.float() * log.exp()
-    rounded = scale.clamp(max=torch.finfo(torch.float8_e4m3fn).max).to(torch.float8_e4m3fn).float()
-    return scale + (rounded - scale).detach()
+# FP8 E4M3's range; compressed-tensors never stores a zero scale, so neither does training
+SCALE_MIN, SCALE_MAX = 2.0**-9, torch.finfo(torch.float8_e4m3fn).max
+
+
+def _fp8_scale(original: torch.Tensor, log_scale: torch.Tensor) -> torch.Tensor:
+    """original · e^log_scale, as the FP8 E4M3 scale it will be stored as."""
+    scale = (original.float() * log_scale.exp()).clamp(SCALE_MIN, SCALE_MAX)
+    return scale.to(torch.float8_e4m3fn).float()
+
+
+def _trainable_scale(original: torch.Tensor, log_scale: torch.Tensor) -> torch.Tensor:
+    """`_fp8_scale`, its rounding passed straight through to the log-scale."""
+    scale = (original.float() * log_scale.exp()).clamp(SCALE_MIN, SCALE_MAX)
+    return scale + (_fp8_scale(original, log_scale) - scale).detach()
 
 
 @contextmanager
-def _trainable_forwards(modules: dict[str, torch.nn.Module], originals: dict, logs: dict):
-    """Each module's forward as compressed-tensors computes it (activations quantized, weights in
-    NVFP4 with its scales), rounding passed straight through so gradients reach the scales."""
-    from compressed_tensors.quantization.lifecycle.forward import fake_quantize, forward_quantize
-
-    saved = {name: module.forward for name, module in modules.items()}
-
-    def forward_of(module: torch.nn.Module, name: str):
-        args = module.quantization_scheme.weights
-        acts = module.quantization_scheme.input_activations
-        out_features, in_features = module.weight.shape
-        weight = module.weight.detach().float().view(out_features, in_features // 16, 16)
-        global_scale = module.weight_global_scale.float()
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            if acts is not None:
-                x = x + (forward_quantize(module, x, "input", acts) - x).detach()
-            scale = _trained(originals[name], logs[name])  # [out, in / 16]
-            step = (scale / global_scale)[..., None]
-            with torch.no_grad():
-                values = fake_quantize(
-                    module.weight.float(), scale.detach(), None, args, global_scale=global_scale
-                ).view_as(weight)
-                rounded = values / step
-            ratio = (weight / step).clamp(-6, 6)
-            # value: compressed-tensors' own NVFP4 weight; d/dstep: rounded - ratio inside the range (LSQ)
-            quantized = step * (rounded + ratio - ratio.detach())
-            return F.linear(x, quantized.view(out_features, in_features).to(x.dtype), module.bias)
-
-        return forward
-
-    for name, module in modules.items():
-        module.forward = forward_of(module, name)
+def _frozen(model: torch.nn.Module):
+    """No gradient for the model's own parameters (only the log-scales train), restored after."""
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    model.requires_grad_(False)
     try:
         yield
     finally:
-        for name, module in modules.items():
+        for name, p in model.named_parameters():
+            p.requires_grad_(flags[name])
+
+
+@contextmanager
+def _trainable_forwards(model: torch.nn.Module, scaled: dict[str, torch.nn.Module], originals: dict, log_scales: dict):
+    """Every quantized module's forward as compressed-tensors computes it (activations quantized,
+    weights in their format), each rounding passed straight through: gradients reach the NVFP4
+    scales and, through modules of other formats (an FP8 group pinned beside NVFP4), the inputs."""
+    from compressed_tensors.quantization import QuantizationStatus
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize, forward_quantize
+
+    quantized = {n: m for n, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None}
+    saved = {name: module.forward for name, module in quantized.items()}
+
+    def activations(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        acts = module.quantization_scheme.input_activations
+        return x if acts is None else x + (forward_quantize(module, x, "input", acts) - x).detach()
+
+    def fixed(module: torch.nn.Module):
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            weight, args = module.weight, module.quantization_scheme.weights
+            if args is not None and module.quantization_status < QuantizationStatus.COMPRESSED:
+                with torch.no_grad():
+                    weight = forward_quantize(module, weight, "weight", args)
+            return F.linear(activations(module, x), weight, module.bias)
+
+        return forward
+
+    def trainable(module: torch.nn.Module, name: str):
+        args = module.quantization_scheme.weights
+        out_features, in_features = module.weight.shape
+        weight = module.weight.detach().float()
+        blocks = weight.view(out_features, in_features // 16, 16)
+        global_scale = module.weight_global_scale.float()
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            scale = _trainable_scale(originals[name], log_scales[name])  # [out, in / 16]
+            step = (scale / global_scale)[..., None]
+            with torch.no_grad():
+                rounded = fake_quantize(weight, scale.detach(), None, args, global_scale=global_scale).view_as(blocks)
+                rounded = rounded / step
+            ratio = (blocks / step).clamp(-6, 6)
+            # value: compressed-tensors' own NVFP4 weight; d/dstep: rounded - ratio inside the range (LSQ)
+            values = step * (rounded + ratio - ratio.detach())
+            return F.linear(activations(module, x), values.view_as(weight).to(x.dtype), module.bias)
+
+        return forward
+
+    for name, module in quantized.items():
+        module.forward = trainable(module, name) if name in scaled else fixed(module)
+    try:
+        yield
+    finally:
+        for name, module in quantized.items():
             module.forward = saved[name]

@@ -30,6 +30,8 @@ def choose_method(model, tokenizer, settings: Quantize, fmt: str, dataset: Datas
     the best before it, and whether it was kept."""
     replay = LayerReplay(model, search_windows(dataset, settings.search.tokens))
     candidates = [name for name in settings.candidates if method_of(name) != Method()]
+    if fmt != "nvfp4":  # auto-round's NVFP4 preset is W4A4: elsewhere it would round to nearest
+        candidates = [name for name in candidates if method_of(name).algorithm != "autoround"]
     console.print(f"method auto: rtn and {len(candidates)} candidates in {fmt} on {replay.num_tokens} tokens")
 
     def measure(method: Method) -> tuple[torch.Tensor, float]:

@@ -18,7 +18,8 @@ def modifier(settings: Quantize, scheme: str, pinned: dict[str, list[str]] | Non
     GPTQModifier or AutoRoundModifier) putting `scheme` on `settings.targets` and pinned module
     patterns in their own formats.  compressed-tensors resolves a module matched by both a class
     target ("Linear") and a name pattern in favour of the pattern, so pins win; pinned BF16 modules
-    join `ignore`."""
+    join `ignore`.  AutoRound tunes `scheme` (NVFP4) and a second modifier rounds the pinned groups;
+    in a format auto-round has no preset for (a search's FP8 copy) the method rounds to nearest."""
     from llmcompressor.modifiers.autoround import AutoRoundModifier
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
@@ -101,7 +102,7 @@ def rotation(method: Method) -> list:
 def rotated_copy(model: torch.nn.Module, tokenizer, method: Method) -> torch.nn.Module:
     """A copy of `model` with `method`'s rotations fused and nothing quantized: the BF16 side of a
     selection whose quantized copies are rotated (the rotations are deterministic, so the copies
-    share them).  Its logits are the model's within fp32 rounding."""
+    share them).  Its logits are the model's within fp32 rounding (1e-4 on the tiny llama)."""
     rotated = copy.deepcopy(model)
     apply(rotated, tokenizer, rotation(method), None, 0)
     return rotated.eval()
@@ -116,7 +117,8 @@ def prepared_copy(
     Copies made from `model` each with the whole method would each carry their own smoothing
     scales (AWQ searches them per format), and groups taken from one beside norms and groups of
     another would compute another function. So smoothing is found once, for `settings.scheme`
-    with the whole method, and kept without its quantization; rotations are deterministic."""
+    with the method's observer, rounding to nearest (GPTQ and AutoRound write their rounded
+    weights back), and kept without its quantization; rotations are deterministic."""
     method = settings.method
     if method.smoothing == "none" and not method.rotations:
         return model, settings
@@ -124,7 +126,8 @@ def prepared_copy(
     if method.smoothing == "none":
         return rotated_copy(model, tokenizer, method), rest
     prepared = copy.deepcopy(model)
-    apply(prepared, tokenizer, modifier(settings, settings.scheme), dataset, settings.calibration.max_seq_length)
+    smoothing = settings.model_copy(update={"method": method.model_copy(update={"algorithm": "rtn"})})
+    apply(prepared, tokenizer, modifier(smoothing, settings.scheme), dataset, settings.calibration.max_seq_length)
     return _without_quantization(prepared).eval(), rest
 
 

@@ -79,7 +79,7 @@ def run_quantize(
     ):
         raise OnboardError(
             f"quantize is over the memory budget ({human(plan.in_memory)} in memory): method auto, rotations, "
-            "a search with smoothing and --distill-tokens run in memory only"
+            "a search with smoothing and --distill-tokens run in memory only (--method rtn or gptq streams)"
         )
 
     method_record: dict[str, Any] = {}
@@ -165,8 +165,11 @@ def run_quantize(
                 f"{distilled['calibration_kld_before']:.4f} -> {distilled['calibration_kld_after']:.4f}"
                 + ("" if distilled["kept"] else " (not kept: it rose)")
             )
-        offloaded = is_offloaded(model)
-        if auto and not offloaded:  # the artifact scored on the search's tokens: the search's best under RTN
+        # The artifact scored on the search's tokens: in memory when the search composed on this
+        # model, from the saved artifact when it is offloaded or the search ran on a smoothed or
+        # rotated copy (which the artifact's own calibration smooths again, with its pins).
+        in_place = bool(auto) and not is_offloaded(model) and selection.model is model
+        if in_place:
             auto["artifact_kld"] = selection.replay.mean_kl()[0]
 
         artifact = stage.path("artifact")
@@ -174,7 +177,7 @@ def run_quantize(
         # an offloaded model is gathered one shard at a time.
         model.save_pretrained(artifact, save_compressed=True, max_shard_size=SHARD_SIZE)
         tokenizer.save_pretrained(artifact)
-        if auto and offloaded:
+        if auto and not in_place:
             auto["artifact_kld"] = artifact_kld(selection.replay, artifact)
         # llmcompressor leaves the recipe it applied beside the weights; keep it, it is data.
         layers = layer_bits(artifact)

@@ -20,7 +20,7 @@ RECIPE = Recipe(
     eval=Eval(max_tokens=512, window=64, per_layer_tokens=0),
 )
 BUDGETS = [5.0, 6.0]
-METHODS = ("rtn", "gptq", "spinquant", "smoothquant+expanded_mse")
+METHODS = ("rtn", "gptq", "awq", "spinquant", "smoothquant+expanded_mse")
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_every_method_and_selection_has_a_row(bench: dict) -> None:
     # each single lever on the weights alone; the activations alone for the levers that move them
     halves = {(r["method"], r["format"]) for r in uniform if r["format"] != "nvfp4"}
     assert {("rtn", "nvfp4a16"), ("gptq", "nvfp4a16"), ("spinquant", "nvfp4a16")} <= halves
-    assert {m for m, f in halves if f == "nvfp4_activations"} >= {"rtn", "spinquant"}
+    assert {m for m, f in halves if f == "nvfp4_activations"} >= {"rtn", "awq", "spinquant"}
     assert ("gptq", "nvfp4_activations") not in halves
     selections = [row["selection"] for row in bench["rows"]]
     assert set(selections) == {*SELECTIONS, "distilled"}
@@ -89,6 +89,9 @@ def test_a_rerun_keeps_every_row_measured_before(bench: dict, tmp_path: Path, ti
     again = run_bench_quant(inspect_checkpoint(tiny_llama), RECIPE, BUDGETS, None, None, out, METHODS)
     assert again["rows"] == bench["rows"]  # the measured seconds too: nothing was measured again
     assert json.loads(out.read_text()) == bench
+    # A run of fewer methods (here: one, whose rows were all measured) keeps the others' rows too.
+    fewer = run_bench_quant(inspect_checkpoint(tiny_llama), RECIPE, BUDGETS, None, None, out, (bench["best_method"],))
+    assert sorted(map(json.dumps, fewer["rows"])) == sorted(map(json.dumps, bench["rows"]))
 
 
 def test_calibration_and_heldout_text_are_apart(bench: dict) -> None:

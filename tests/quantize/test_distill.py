@@ -55,3 +55,16 @@ def test_the_distilled_artifact_is_plain_nvfp4(artifacts) -> None:
     assert any(not torch.equal(plain[n].float(), distilled[n].float()) for n in scales)  # trained
     configs = [json.loads((artifacts[t] / "config.json").read_text())["quantization_config"] for t in (0, 256)]
     assert configs[0]["config_groups"] == configs[1]["config_groups"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"scheme": "fp8", "distill_tokens": 256}, "scheme fp8 has none"),
+        ({"distill_tokens": 1}, "at least 2 tokens"),
+        ({"scheme": "nvfp4a16", "method": "autoround"}, "autoround tunes NVFP4 W4A4"),
+    ],
+)
+def test_settings_distillation_or_autoround_cannot_honour_are_refused(settings: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Quantize(**settings)

@@ -150,7 +150,7 @@ def test_pinned_groups_apply_without_could_not_match_warnings(tiny_llama: Path, 
     assert getattr(layers[1].mlp.down_proj, "quantization_scheme", None) is None
 
 
-@pytest.mark.parametrize("name", ["awq", "smoothquant", "spinquant"])
+@pytest.mark.parametrize("name", ["awq", "smoothquant", "spinquant", "awq+gptq"])
 def test_a_searchs_copies_share_one_smoothing_and_rotation(tiny_llama: Path, name: str) -> None:
     """The prepared model computes the original function; the search's copies are made from it, so
     its uniform assignment composed from them is the model the whole method quantizes."""

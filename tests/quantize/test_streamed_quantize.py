@@ -99,3 +99,23 @@ def test_search_plans_its_selection_and_refuses_over_the_streamed_peak(tiny_llam
     assert (plan.path, plan.in_memory, plan.streamed) == ("streamed", in_memory, streamed)
     with pytest.raises(OnboardError, match=r"^quantize needs about .* streamed, over the"):
         quantize_plan(checkpoint, settings, streamed - 1)
+
+
+@pytest.mark.parametrize(
+    "update",
+    [
+        {"method": "auto"},
+        {"method": "spinquant"},
+        {"distill_tokens": 256},
+        {"scheme": "auto", "bits_budget": 5.0, "method": "awq"},
+    ],
+    ids=["method-auto", "rotations", "distill", "search-with-smoothing"],
+)
+def test_what_runs_in_memory_only_is_refused_streamed(tiny_llama: Path, tmp_path: Path, update: dict) -> None:
+    settings = Quantize(**{**SETTINGS.model_dump(), **update})
+    budget = streaming_budget(tiny_llama, settings)
+    assert quantize_plan(inspect_checkpoint(tiny_llama), settings, budget).path == "streamed"
+    refusal = r"^quantize is over the memory budget .* in memory only"
+    with pytest.raises(OnboardError, match=refusal), RunDir(tmp_path / "run") as run:
+        run_quantize(run, inspect_checkpoint(tiny_llama), settings, None, budget)
+    assert not (tmp_path / "run/artifact").exists()
