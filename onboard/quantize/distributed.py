@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 from datasets import Dataset
 
 from onboard.errors import OnboardError
@@ -49,11 +50,16 @@ def init() -> None:
     dist.barrier()
 
 
-def check(scheme: str, num_samples: int) -> None:
+def check(scheme: str, num_samples: int, smoothing: str = "none") -> None:
     """A one-line refusal of what the ranks cannot split."""
     ranks = world_size()
     if ranks > 1 and scheme == "auto":
         raise OnboardError("--scheme auto selects in one process; run it without torchrun (streamed over --max-memory)")
+    if ranks > 1 and smoothing == "awq" and not torch.accelerator.is_available():
+        # llm-compressor 0.14 all-reduces AWQ's statistics on the current accelerator
+        raise OnboardError(
+            "AWQ under torchrun needs an accelerator; run it in one process or pass --method rtn or gptq"
+        )
     if num_samples < ranks:
         raise OnboardError(f"--num-samples {num_samples} gives some of the {ranks} ranks no calibration sample")
 

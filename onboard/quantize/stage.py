@@ -70,7 +70,7 @@ def run_quantize(
 ) -> dict[str, Any]:
     budget = resolve_budget(max_memory)
     plan = quantize_plan(checkpoint, settings, budget)
-    distributed.check(settings.scheme, settings.calibration.num_samples)
+    distributed.check(settings.scheme, settings.calibration.num_samples, getattr(settings.method, "smoothing", "none"))
     if plan.path == "streamed" and (
         settings.method == "auto"
         or settings.method.rotations

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from cli_run import onboard
 from datasets import Dataset
 
@@ -25,7 +26,7 @@ def test_two_ranks_write_one_process_artifact(tiny_llama: Path, tmp_path: Path, 
     """The calibration samples split across two ranks give the artifact one process gives (streamed),
     byte for byte, and a second torchrun finds the stage done on every rank."""
     in_memory, streamed = estimate("quantize", model_shape(tiny_llama), 4 * 64)
-    calibration = ["--num-samples", "4", "--max-seq-length", "64"]
+    calibration = ["--num-samples", "4", "--max-seq-length", "64", "--method", "rtn"]
     budget = ["--max-memory", str((in_memory + streamed) // 2)]
     assert onboard(["quantize", str(tiny_llama), "--out", str(tmp_path / "one"), *calibration, *budget], capsys)[0] == 0
     args = ["quantize", str(tiny_llama), "--out", str(tmp_path / "two"), *calibration]
@@ -68,3 +69,7 @@ def test_what_ranks_cannot_split_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(OnboardError, match=r"^--num-samples 1 gives some of the 2 ranks no calibration sample$"):
         distributed.check("nvfp4", 1)
     distributed.check("nvfp4", 2)
+    if not torch.accelerator.is_available():  # llm-compressor all-reduces AWQ's sums on the accelerator
+        with pytest.raises(OnboardError, match=r"^AWQ under torchrun needs an accelerator"):
+            distributed.check("nvfp4", 2, "awq")
+    distributed.check("nvfp4", 2, "smoothquant")

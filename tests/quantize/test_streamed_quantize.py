@@ -113,7 +113,8 @@ def test_search_plans_its_selection_and_refuses_over_the_streamed_peak(tiny_llam
 )
 def test_what_runs_in_memory_only_is_refused_streamed(tiny_llama: Path, tmp_path: Path, update: dict) -> None:
     settings = Quantize(**{**SETTINGS.model_dump(), **update})
-    budget = streaming_budget(tiny_llama, settings)
+    whole = quantize_plan(inspect_checkpoint(tiny_llama), settings, 1 << 50)
+    budget = (whole.in_memory + whole.streamed) // 2
     assert quantize_plan(inspect_checkpoint(tiny_llama), settings, budget).path == "streamed"
     refusal = r"^quantize is over the memory budget .* in memory only"
     with pytest.raises(OnboardError, match=refusal), RunDir(tmp_path / "run") as run:
