@@ -32,7 +32,8 @@ STAGING = ".staging"
 _PACKAGES = ("torch", "transformers", "llmcompressor", "compressed-tensors", "onboard")
 
 
-def _versions() -> dict[str, str]:
+def package_versions() -> dict[str, str]:
+    """The versions of what an artifact or a measurement depends on (Python and the packages)."""
     found = {"python": platform.python_version()}
     for name in _PACKAGES:
         try:
@@ -98,7 +99,7 @@ class RunDir:
         return read_manifest(self.root)
 
     def _save(self, manifest: dict[str, Any]) -> None:
-        manifest["versions"] = _versions()
+        manifest["versions"] = package_versions()
         atomic.write_json(self.root / MANIFEST, manifest)
 
     def record_recipe(self, recipe: Recipe) -> None:

@@ -26,8 +26,13 @@ saved as a checkpoint the engine loads, and then measured against transformers o
   token; fast numerics: the match rate is reported); the acceptance length is reported too (about
   1 with a random draft: this is an exactness check, not a speed one).
 
+* NVFP4 scale distillation (`quantize --distill-tokens`, `--distill-tokens` calibration tokens):
+  it runs on the device, kept scales do not raise the calibration KL and change some scales, and
+  the artifact stays NVFP4 (chosen with `--phases`, not run by default).
+
 Phases run in the order that puts the pass criteria first (the build, bf16 parity, exact spec
-decoding, fp32 parity, the FP8 and NVFP4 artifacts, then throughput and fast spec decoding); each
+decoding, fp32 parity, the FP8 and NVFP4 artifacts, then throughput, fast spec decoding and
+distillation); each
 has a time budget, prints its elapsed time, and a phase that would end past `--deadline` is
 skipped.  The JSON report (`--out`) is rewritten after every phase, so a run cut short still
 leaves what it measured.  Each artifact, its models and engines are freed after its phase.
@@ -81,6 +86,7 @@ CONDITIONAL = (
     ("parity_bf16", "bfloat16", "bf16 exact parity"),
     ("parity_fp8", "fp8", "fp8 artifact parity"),
     ("parity_nvfp4", "nvfp4", "nvfp4 artifact parity"),
+    ("distill", "distill", "nvfp4 scale distillation"),
 )
 
 
@@ -115,7 +121,10 @@ PHASES = (
     "parity_nvfp4",
     "throughput",
     "spec_fast",
+    "distill",
 )
+# Distillation trains on the device for minutes at the real size: run when chosen (--phases).
+DEFAULT_PHASES = tuple(phase for phase in PHASES if phase != "distill")
 
 SHAPES = {
     "llama3-8b": Shape(
@@ -143,6 +152,10 @@ SHAPES = {
             "parity_nvfp4": 170,
             "throughput": 50,
             "spec_fast": 20,
+            # NVFP4 oneshot as parity_nvfp4's, then 4 epochs of forward and backward passes over the
+            # distillation tokens beside a bf16 teacher. Not yet measured; not a default phase, it
+            # runs when chosen (`--phases distill`).
+            "distill": 240,
         },
     ),
     "tiny": Shape(
@@ -169,8 +182,9 @@ SHAPES = {
             "parity_nvfp4": 40,
             "throughput": 15,
             "spec_fast": 15,
+            "distill": 40,
         },
-        workload={"spec_tokens": 16},
+        workload={"spec_tokens": 16, "distill_tokens": 256},
     ),
 }
 
@@ -193,8 +207,9 @@ class Settings:
     spec_k: int = 3
     calib_samples: int = 4  # the artifacts' calibration (NVFP4's activation scales): samples x tokens
     calib_tokens: int = 128
+    distill_tokens: int = 4096  # the distill phase's calibration tokens, all distilled on
     deadline: float = 520.0  # seconds: a phase that would end later (at its budget) is skipped
-    phases: list[str] = field(default_factory=lambda: list(PHASES))
+    phases: list[str] = field(default_factory=lambda: list(DEFAULT_PHASES))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -624,36 +639,41 @@ class GpuCheck:
 
     # -- quantized artifacts -------------------------------------------------------------------------
 
-    def calibration_file(self) -> Path:
-        """Calibration DATA for the quantize stage: `calib_samples` records of `calib_tokens` random
+    def calibration_file(self, samples: int) -> Path:
+        """Calibration DATA for the quantize stage: `samples` records of `calib_tokens` random
         words of the check's own vocabulary ("t17 t4021 ..."), which its word-level tokenizer reads
         back as those ids.  The built-in calibration text would tokenize to "<unk>" (97 % of its tokens:
         the toy vocabulary has no English), one activation pattern to calibrate NVFP4's scales on;
         random ids are what every prompt of this check is made of."""
-        path = self.tmp / "calibration.jsonl"
+        path = self.tmp / f"calibration-{samples}.jsonl"
         if not path.exists():
-            rows = random_prompts(self.s.calib_samples, self.s.calib_tokens, self.shape.vocab_size, self.s.seed + 3)
+            rows = random_prompts(samples, self.s.calib_tokens, self.shape.vocab_size, self.s.seed + 3)
             path.write_text("".join(json.dumps({"text": " ".join(f"t{i}" for i in row)}) + "\n" for row in rows))
         return path
 
-    def quantize(self, scheme: str) -> tuple[Path, dict[str, Any]]:
+    def quantize(self, scheme: str, distill_tokens: int = 0) -> tuple[Path, dict[str, Any]]:
         """The random model through onboard's own quantize stage (llmcompressor oneshot, the run
-        directory and manifest as `onboard quantize` writes them) under the temporary directory.
-        Its time includes the first import of llmcompressor."""
+        directory and manifest as `onboard quantize` writes them) under the temporary directory,
+        its NVFP4 scales distilled on `distill_tokens` calibration tokens when set.  Its time
+        includes the first import of llmcompressor."""
         began = time.monotonic()
         from onboard.models import inspect_checkpoint
         from onboard.quantize.stage import run_quantize
         from onboard.recipes import Calibration, Quantize
         from onboard.workspace import RunDir
 
-        root = self.tmp / f"run-{scheme}"
+        root = self.tmp / f"run-{scheme}{'-distilled' if distill_tokens else ''}"
+        # enough sequences for the distillation tokens beside the eighth distillation holds back
+        trained = -(-distill_tokens // self.s.calib_tokens)
+        samples = max(self.s.calib_samples, trained + -(-trained // 7) if distill_tokens else 0)
         settings = Quantize(
             scheme=scheme,
-            calibration=Calibration(num_samples=self.s.calib_samples, max_seq_length=self.s.calib_tokens),
+            calibration=Calibration(num_samples=samples, max_seq_length=self.s.calib_tokens),
+            distill_tokens=distill_tokens,
         )
         try:
             with RunDir(root) as run:
-                entry = run_quantize(run, inspect_checkpoint(self.path), settings, self.calibration_file())
+                entry = run_quantize(run, inspect_checkpoint(self.path), settings, self.calibration_file(samples))
         except BaseException:
             if not self.s.keep:  # what a failed stage left (staging) would crowd the next artifact
                 shutil.rmtree(root, ignore_errors=True)
@@ -668,10 +688,12 @@ class GpuCheck:
             raise RuntimeError(f"quantize {scheme}: stage status {entry.get('status')!r}")
         artifact = root / "artifact"
         metrics = entry.get("metrics", {})
+        selection = json.loads((root / "quantize" / "selection.json").read_text())
         return artifact, {
             "scheme": scheme,
+            **({"distill": selection["distill"]} if "distill" in selection else {}),
             "quantize_s": round(time.monotonic() - began, 2),
-            "calibration_samples": self.s.calib_samples,
+            "calibration_samples": samples,
             "calibration_max_seq_length": self.s.calib_tokens,
             "calibration_tokens": metrics.get("calibration_tokens"),
             "effective_bits": metrics.get("effective_bits"),
@@ -824,6 +846,45 @@ class GpuCheck:
             "failures": failures,
         }
 
+    def distill(self) -> None:
+        """NVFP4 W4A4 with its block scales distilled on KL to the bf16 model (`quantize
+        --distill-tokens`), on the device: it must run there, not raise the calibration KL, change
+        scales when it keeps them, and leave an artifact the engine serves in the same format."""
+        from onboard.engine.weights import CheckpointWeights
+
+        self.report["parity"]["distill"] = None
+        self.free_engines()
+        self.hf = None
+        self.release()
+        artifact, quantized = self.quantize("nvfp4", self.s.distill_tokens)
+        try:
+            with CheckpointWeights(artifact) as weights:
+                packed = [
+                    name.removesuffix(".weight_packed") for name in weights.names() if name.endswith(".weight_packed")
+                ]
+                formats = {weights.effective_format(prefix) for prefix in packed}
+        finally:
+            self.drop_artifact(artifact)
+        record = quantized.get("distill") or {}
+        failures = []
+        if not record:
+            failures.append("the quantize stage recorded no distillation")
+        elif record["kept"]:
+            if record["calibration_kld_after"] > record["calibration_kld_before"]:
+                before, after = record["calibration_kld_before"], record["calibration_kld_after"]
+                failures.append(f"kept scales raised the calibration KL: {before:.4f} -> {after:.4f}")
+            if not record["scales_changed"]:
+                failures.append("distillation kept its scales but changed none")
+        if formats != {"nvfp4"}:
+            failures.append(f"the distilled artifact's packed linears are {sorted(formats)}, not all NVFP4")
+        self.report["parity"]["distill"] = {
+            "rule": "distillation",
+            "quantize": quantized,
+            "distill": record,
+            "passed": not failures,
+            "failures": failures,
+        }
+
     def spec(self, numerics: str) -> None:
         dtype = torch.bfloat16
         self.report["spec"][numerics] = None
@@ -948,6 +1009,7 @@ class GpuCheck:
             self.phase("parity_nvfp4", self.parity_nvfp4)
             self.phase("throughput", self.throughput)
             self.phase("spec_fast", lambda: self.spec("fast"))
+            self.phase("distill", self.distill)
         finally:
             self.free_engines()
             self.hf = None
@@ -1005,6 +1067,8 @@ class GpuCheck:
         """The conditional checks whose phase did not run, and why."""
         notes = []
         for phase, key, label in CONDITIONAL:
+            if phase not in DEFAULT_PHASES and phase not in self.s.phases:
+                continue  # an opt-in phase nobody asked for is not a check left undone
             status = self.report["phases"].get(phase, {}).get("status", "missing")
             if not self.report["parity"].get(key) and status not in ("ok", "error"):
                 notes.append(f"{label} ({status})")
@@ -1060,7 +1124,7 @@ def print_tables(report: dict[str, Any]) -> None:
     for col in ("weights", "rule", "max |Δ logit|", "bitwise", "top-1", "mean KL", "greedy", "ties only", "matched"):
         table.add_column(col, justify="right", no_wrap=True)
     for row in report["parity"].values():
-        if row:
+        if row and "max_abs_logit_diff" in row:  # distillation has its line in the artifacts' table
             dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(row["dtype"], row["dtype"])
             table.add_row(
                 row["checkpoint"].removesuffix(" artifact") if "checkpoint" in row else f"model {dtype}",
@@ -1093,6 +1157,13 @@ def print_tables(report: dict[str, Any]) -> None:
                 "; ".join(row["failures"]) or "-",
             )
         console.print(table)
+    distill = (report["parity"].get("distill") or {}).get("distill")
+    if distill:
+        console.print(
+            f"distill: {distill['tokens']} tokens, {distill['steps']} steps in {distill['seconds']} s; held-back KL "
+            f"{distill['held_back_kld_before']:.4f} -> {distill['held_back_kld_after']:.4f}, "
+            + (f"epoch {distill['best_epoch']} kept" if distill["kept"] else "not kept")
+        )
 
     nvfp4 = report["parity"].get("nvfp4")
     if nvfp4:
@@ -1174,6 +1245,7 @@ WORKLOAD = (
     "spec_tokens",
     "spec_k",
     "calib_samples",
+    "distill_tokens",
     "calib_tokens",
 )
 
@@ -1201,8 +1273,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     parser.add_argument(
         "--phases",
         type=lambda v: [p.strip() for p in v.split(",") if p.strip()],
-        default=list(PHASES),
-        help=f"comma-separated subset of {','.join(PHASES)} (build always runs)",
+        default=list(DEFAULT_PHASES),
+        help=f"comma-separated subset of {','.join(PHASES)} (build always runs; default: all but distill)",
     )
     args = parser.parse_args(argv)
     unknown = set(args.phases) - set(PHASES)

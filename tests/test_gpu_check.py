@@ -55,6 +55,7 @@ def test_tiny_run_on_cpu_writes_every_section(tmp_path: Path, gpu_check) -> None
         "--spec-tokens=8",
         f"--calib-samples={CALIB_SAMPLES}",
         f"--calib-tokens={CALIB_TOKENS}",
+        f"--phases={','.join(gpu_check.PHASES)}",
     ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -124,6 +125,14 @@ def test_tiny_run_on_cpu_writes_every_section(tmp_path: Path, gpu_check) -> None
     assert layerwise["max_floor_ratio"] <= 4.0 and layerwise["max_linear_ratio"] <= 2.0
     assert all(entry["floor_rms"] > 0 for entry in layerwise["layers"])
 
+    # Distillation on the device: kept scales lower the calibration KL and the artifact is NVFP4.
+    distill = report["parity"]["distill"]
+    assert distill["passed"] is True and distill["failures"] == []
+    record = distill["distill"]
+    assert record["tokens"] == 256 and record["steps"] > 0 and record["modules"] == linears
+    assert record["calibration_kld_before"] > 0
+    assert not record["kept"] or record["calibration_kld_after"] <= record["calibration_kld_before"]
+
     exact, fast = report["spec"]["exact"], report["spec"]["fast"]
     assert exact["exact"] is True and exact["token_match_rate"] == 1.0
     assert exact["num_drafts"] > 0 and exact["acceptance_length"] >= 1.0
@@ -192,7 +201,9 @@ def test_budgets_fit_the_default_deadline(gpu_check) -> None:
     for shape in gpu_check.SHAPES.values():
         assert set(shape.budgets) == set(gpu_check.PHASES)
     deadline = gpu_check.Settings().deadline
-    assert sum(gpu_check.SHAPES["llama3-8b"].budgets.values()) <= deadline <= 540
+    budgets = gpu_check.SHAPES["llama3-8b"].budgets
+    assert sum(budgets[phase] for phase in gpu_check.DEFAULT_PHASES) <= deadline <= 540
+    assert budgets["distill"] <= deadline  # chosen alone (`--phases distill`), it fits too
 
 
 def test_engine_config_holds_the_widest_batch(gpu_check) -> None:

@@ -24,9 +24,13 @@ Candidates (one row / several rows):
 A linear that quantizes its input (W4A4, FP8 W8A8) re-quantizes every last-bit difference
 upstream into other 4- or 8-bit values, and a W4A4 model amplifies them into other tokens (on the
 demo's NVFP4 artifacts, fast kernels of other roundings moved the served distributions by a KL of
-0.14-0.17 nats from transformers', and raised the damage against the source by 2-13 %).  Those
-linears take only kernels that round as exact's do on the probe (on AVX-512 CPUs oneDNN's
-pre-reordered weight does, and saves its per-call reorder), and are not fused (`weights.py`).
+0.14-0.17 nats from transformers', and raised the damage against the source by 2-13 %).  So in a
+model with such linears, every linear whose output reaches a quantizer (all but the output head)
+keeps exact's rounding, and none is fused (`weights.py`): on several rows that is `plain` itself,
+since which order a kernel sums in depends on the row count and a probe at a few counts proves
+nothing for the others (oneDNN's pre-reordered weight rounded as `plain` at 2, 3 and 16 rows and
+otherwise at 80 on an AMX Xeon, moving the quick demo's damage 17 % from transformers'); on one
+row, the one-row kernels that gave `plain`'s bits on the probe, a single row being a single case.
 
 The choice (`ShapeMeasure.choose`): without batch invariance, the fastest kernel for one row
 and the fastest for several; with it, the invariant pair (`per_row` pairs with any one-row
@@ -60,7 +64,7 @@ PROBE_ROWS = 16  # rows of the several-row timing and of the invariance probe
 TIE = 1.1  # a gain within this factor is timing noise: exact's own kernel is kept
 _TIMED_WEIGHTS = 8  # distinct weights of a shape cycled through per timing pass (not all cache-hot)
 _REPEATS = 7
-_CACHE_VERSION = 2
+_CACHE_VERSION = 3
 
 
 def onednn_packs(weight: torch.Tensor) -> bool:
@@ -128,13 +132,12 @@ class BoundKernels:
 class ShapeMeasure:
     """One weight shape on this machine: microseconds per call of each candidate (one row, and
     `PROBE_ROWS` rows), the (one-row, several-row) pairs that gave every row the same bits, and
-    the kernels that round as `plain` (exact numerics) does, at one row and at several."""
+    the one-row kernels that round as `plain` (exact numerics) does."""
 
     one_row_us: dict[str, float]
     rows_us: dict[str, float]
     invariant: list[list[str]]
     exact_one_row: list[str]
-    exact_rows: list[str]
 
     def rows_time(self, one_row: str, rows: str) -> float:
         return self.one_row_us[one_row] * PROBE_ROWS if rows == "per_row" else self.rows_us[rows]
@@ -144,15 +147,15 @@ class ShapeMeasure:
         invariant pair with the least time per token over one row and over `PROBE_ROWS` rows,
         among those no slower than exact numerics' `F.linear` one row at a time.  Either way,
         exact's own kernel (`plain`) where it is within `TIE` of the fastest: another rounding
-        only for a measured gain.  `exact_rounding` (a linear that quantizes its input, where a
-        last-bit difference is amplified into other quantized values): only kernels that round
-        as exact's do, several rows (a prefill) first, where invariance leaves the choice."""
+        only for a measured gain.  `exact_rounding` (a linear whose output reaches a quantizer,
+        where a last-bit difference is amplified into other quantized values): `plain` on several
+        rows (a prefill) where invariance allows, and one-row kernels that round as `plain`."""
         one_row_us, rows_us = self.one_row_us, self.rows_us
         if exact_rounding:
             one_row_us = {k: t for k, t in one_row_us.items() if k in self.exact_one_row}
         if not batch_invariant:
             one_row = _preferred(one_row_us)
-            rows = [*rows_us, "per_row"] if not exact_rounding else [r for r in rows_us if r in self.exact_rows]
+            rows = [*rows_us, "per_row"] if not exact_rounding else ["plain"]
             return KernelChoice(one_row, _preferred({r: self.rows_time(one_row, r) for r in rows}))
         exact = self.one_row_us["plain"] * TIE
         cost = {
@@ -164,7 +167,7 @@ class ShapeMeasure:
             and self.rows_time(k, r) <= exact * PROBE_ROWS
         }
         if exact_rounding:  # rounding as exact's in a prefill, then in decode, then speed
-            rank = {p: (p[1] not in self.exact_rows, p[0] not in self.exact_one_row) for p in cost}
+            rank = {p: (p[1] != "plain", p[0] not in self.exact_one_row) for p in cost}
             best_rank = min(rank.values())
             cost = {p: c for p, c in cost.items() if rank[p] == best_rank}
         best = min(cost.values())
@@ -216,9 +219,9 @@ def order_probe(
 
 def _probe(
     out_features: int, in_features: int, dtype: torch.dtype, device: torch.device, bias: bool
-) -> tuple[list[list[str]], list[str], list[str]]:
-    """On the order probe: the invariant (one-row, several-row) pairs, and the one-row and
-    several-row kernels that give `plain`'s bits (exact numerics' rounding)."""
+) -> tuple[list[list[str]], list[str]]:
+    """On the order probe: the invariant (one-row, several-row) pairs, and the one-row kernels
+    that give `plain`'s bits (exact numerics' rounding)."""
     weight, x, b = order_probe(out_features, in_features, dtype, device, bias)
     one_row, rows = candidates(weight)
     kernels = BoundKernels(weight, KernelChoice("onednn" if "onednn" in one_row else "plain", "plain"))
@@ -228,8 +231,7 @@ def _probe(
         [k, r] for k in one_row for r in rows if all(torch.equal(out, alone[k][: out.shape[0]]) for out in batched[r])
     ]
     exact_one_row = [k for k in one_row if torch.equal(alone[k], alone["plain"])]
-    exact_rows = [r for r in rows if all(torch.equal(a, p) for a, p in zip(batched[r], batched["plain"], strict=True))]
-    return invariant, exact_one_row, exact_rows
+    return invariant, exact_one_row
 
 
 def _sync(device: torch.device) -> None:
@@ -266,8 +268,8 @@ def measure_shape(weights: list[torch.Tensor], bias: bool) -> ShapeMeasure:
     bound = [BoundKernels(w, KernelChoice("onednn" if "onednn" in one_row else "plain", "plain")) for w in weights]
     one_row_us = {k: _time_us([lambda h=h, k=k: h.run(k, x[:1], b) for h in bound], first.device) for k in one_row}
     rows_us = {r: _time_us([lambda h=h, r=r: h.run(r, x, b) for h in bound], first.device) for r in rows}
-    invariant, exact_one_row, exact_rows = _probe(out_features, in_features, first.dtype, first.device, bias)
-    return ShapeMeasure(one_row_us, rows_us, invariant, exact_one_row, exact_rows)
+    invariant, exact_one_row = _probe(out_features, in_features, first.dtype, first.device, bias)
+    return ShapeMeasure(one_row_us, rows_us, invariant, exact_one_row)
 
 
 def machine() -> dict[str, Any]:
@@ -336,11 +338,14 @@ def choose_kernels(model: torch.nn.Module, batch_invariant: bool) -> list[dict[s
     returns one row per shape: what was chosen and the timings it was chosen by."""
     from onboard.engine.linear import EngineLinear
 
+    linears = [module for module in model.modules() if isinstance(module, EngineLinear)]
+    # once any linear quantizes its input, every product upstream of one must round as exact's
+    quantized = any(module.act_quant is not None for module in linears)
+    head = getattr(model, "lm_head", None)
     groups: dict[tuple, list[EngineLinear]] = {}
-    for module in model.modules():
-        if isinstance(module, EngineLinear):
-            w, bias, quantizes = module.weight, module.bias is not None, module.act_quant is not None
-            groups.setdefault((tuple(w.shape), w.dtype, w.device, bias, quantizes), []).append(module)
+    for module in linears:
+        w, bias, quantizes = module.weight, module.bias is not None, quantized and module is not head
+        groups.setdefault((tuple(w.shape), w.dtype, w.device, bias, quantizes), []).append(module)
     cache = KernelCache()
     report = []
     for (_, _, _, bias, quantizes), linears in groups.items():
@@ -352,14 +357,13 @@ def choose_kernels(model: torch.nn.Module, batch_invariant: bool) -> list[dict[s
             {
                 "shape": key,
                 "count": len(linears),
-                "quantized_inputs": quantizes,
+                "exact_rounding": quantizes,
                 "one_row": choice.one_row,
                 "rows": choice.rows,
                 "one_row_us": measured.one_row_us,
                 "rows_us": measured.rows_us,
                 "invariant_pairs": measured.invariant,
                 "exact_one_row": measured.exact_one_row,
-                "exact_rows": measured.exact_rows,
                 "cached": cached,
             }
         )

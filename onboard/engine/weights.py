@@ -155,16 +155,23 @@ class CheckpointWeights:
         if len(set(specs)) != 1:
             raise NotFusable(f"{prefixes}: formats differ ({', '.join(s.fmt for s in specs)})")
         spec = specs[0]
-        if spec.act is not None:
+        if self.quantizes_activations:
             # A fused product is another shape, whose kernel may round otherwise, and a linear that
-            # quantizes its input amplifies any rounding upstream (`kernels.py`): kept apart.
-            raise NotFusable(f"{prefixes}: they quantize their inputs ({spec.act})")
+            # quantizes its input amplifies any rounding upstream (`kernels.py`): kept apart, in a
+            # model that quantizes any activations.
+            raise NotFusable(f"{prefixes}: the checkpoint quantizes activations")
         biases = [self._bias(p) for p in prefixes]
         if any(b is None for b in biases) and any(b is not None for b in biases):
             raise NotFusable(f"{prefixes}: some have a bias and some do not")
         weight = torch.cat([self._weight(p, spec) for p in prefixes], dim=0)
         bias = None if biases[0] is None else torch.cat(biases, dim=0)
         return EngineLinear(weight, bias, self._act_quant(prefixes[0], spec), spec.fmt, name="+".join(prefixes))
+
+    @property
+    def quantizes_activations(self) -> bool:
+        """Whether any config group quantizes its linears' inputs (W4A4, W8A8)."""
+        groups = (self.quantization_config or {}).get("config_groups") or {}
+        return any(group.get("input_activations") for group in groups.values())
 
     def _spec(self, prefix: str) -> _Spec:
         scheme = self._quant.scheme_for(prefix) if self._quant else None

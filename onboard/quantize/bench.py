@@ -24,6 +24,7 @@ from onboard.quantize.groups import ATTENTION_KINDS, Group, decision_groups, eff
 from onboard.quantize.method_choice import method_of
 from onboard.quantize.modifiers import apply, modifier, prepared_copy, quantized_copy
 from onboard.recipes import Method, Recipe
+from onboard.workspace import package_versions
 
 # Every accuracy method llm-compressor ships that keeps the artifact plain NVFP4, and the
 # combinations its own results suggest (an observer under GPTQ or after rotations).
@@ -91,6 +92,7 @@ def run_bench_quant(
         "settings": settings.model_dump(mode="json", exclude={"method", "candidates", "distill_tokens"}),
         "eval": recipe.eval.model_dump(mode="json"),
         "heldout_tokens": sum(len(w) - 1 for _, w in windows),
+        "versions": package_versions(),  # another onboard or llm-compressor: every row again
     }
     # A run takes hours with every method: each row is saved as it is measured, and a rerun with the
     # same model, data and settings measures only the rows `out` lacks (more methods, budgets).
@@ -150,17 +152,18 @@ def run_bench_quant(
 
     def distilled(tokens: int, names) -> None:
         """Uniform NVFP4 with the method, then its block scales distilled on `tokens` calibration tokens."""
-        windows = distill_windows(dataset["input_ids"], tokens)
+        windows, held_back = distill_windows(dataset["input_ids"], tokens)
         for name in names:
             row = _find(measured, ("distilled", name, "nvfp4", None))
-            if row is not None and row["distill"]["tokens"] == sum(len(w) for w in windows):
+            data = (sum(len(w) for w in windows), sum(len(w) for w in held_back))  # what a row was distilled on
+            if row is not None and (row["distill"]["tokens"], row["distill"].get("held_back_tokens")) == data:
                 resumed(("distilled", name, "nvfp4", None))
                 continue
             clock = time.perf_counter()
             candidate = copy.deepcopy(reference)
             recipe_of = modifier(settings.model_copy(update={"method": method_of(name)}), "nvfp4")
             apply(candidate, tokenizer, recipe_of, dataset, settings.calibration.max_seq_length)
-            record = distill_scales(candidate, reference, windows)
+            record = distill_scales(candidate, reference, windows, held_back)
             seconds = time.perf_counter() - clock
             groups = decision_groups(candidate)
             bits = effective_bits(groups, {g.name: "nvfp4" for g in groups})

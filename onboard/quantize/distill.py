@@ -6,7 +6,10 @@ next-token distributions over N calibration tokens: the FP4 rounding and the sca
 pass the gradient straight through, the scale's gradient as in LSQ (Esser et al., 2020), and each
 scale is trained in log space so one learning rate suits every magnitude. The trained scales are
 rounded to FP8 E4M3 and written into `weight_scale`, so compressed-tensors saves a plain NVFP4
-checkpoint; they are kept only if the calibration KL did not rise.
+checkpoint.  The last eighth of the calibration sequences is held back from training: the scales
+of the epoch with the lowest KL there are kept, and none if no epoch lowered it (on SmolLM2 the
+training tokens' KL kept falling while held-out KL did not move: fitting, which only text the
+training never saw shows).
 
 Written here because neither llm-compressor nor compressed-tensors trains scales on an end-to-end
 loss (AutoRound tunes one decoder block at a time on that block's output error).
@@ -23,23 +26,33 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from onboard.console import console
 
 EPOCHS = 4  # passes over the distillation tokens
+HELD_BACK = 1 / 8  # of the calibration sequences (at least one), never trained on, judging each epoch
 LEARNING_RATE = 1e-2  # Adam, on the log of each scale: an FP8 E4M3 step is 6-12 % of a scale
 
 
-def distill_scales(student: torch.nn.Module, teacher: torch.nn.Module, windows: list[torch.Tensor]) -> dict[str, Any]:
+def distill_scales(
+    student: torch.nn.Module, teacher: torch.nn.Module, windows: list[torch.Tensor], held_back: list[torch.Tensor]
+) -> dict[str, Any]:
     """Train the NVFP4 weight scales of `student` (quantized by llm-compressor, in place) on KL to
-    `teacher` over `windows` (token ids, one sequence each); the record of what it did."""
+    `teacher` over `windows` (token ids, one sequence each), keeping the epoch's scales with the
+    lowest KL on `held_back` (the training windows themselves when there are none); the record of
+    what it did."""
     clock = time.perf_counter()
     scaled = _nvfp4_modules(student)
     if not scaled or not windows:
         raise ValueError("distillation needs NVFP4 weights and at least one calibration window")
+    judged_on = held_back or windows
     device = next(student.parameters()).device
-    before = calibration_kl(student, teacher, windows)
+    before, judged_before = calibration_kl(student, teacher, windows), calibration_kl(student, teacher, judged_on)
     originals = {name: module.weight_scale.data.clone() for name, module in scaled.items()}
-    log_scales = {name: torch.zeros(module.weight_scale.shape, requires_grad=True) for name, module in scaled.items()}
+    log_scales = {
+        name: torch.zeros(module.weight_scale.shape, device=module.weight_scale.device, requires_grad=True)
+        for name, module in scaled.items()
+    }
     optimizer = torch.optim.Adam(log_scales.values(), lr=LEARNING_RATE)
     steps = EPOCHS * len(windows)
-    losses = []
+    losses, judged = [], []
+    best, best_epoch = {}, 0
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("KL {task.fields[kl]:.4f}"))
     with (
         _frozen(student),
@@ -49,22 +62,27 @@ def distill_scales(student: torch.nn.Module, teacher: torch.nn.Module, windows: 
         task = bar.add_task("distilling NVFP4 scales", total=steps, kl=before)
         for step in range(steps):
             ids = windows[step % len(windows)][None].to(device)
-            with torch.no_grad():
-                target = F.log_softmax(teacher(ids).logits.float(), -1)
+            target = _teacher_log_probs(teacher, ids)
             loss = _kl(target, F.log_softmax(student(ids).logits.float(), -1)).mean()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
             bar.update(task, advance=1, kl=losses[-1])
+            if (step + 1) % len(windows) == 0:  # an epoch's end: judged on the held-back text
+                judged.append(calibration_kl(student, teacher, judged_on))
+                if judged[-1] < min([judged_before, *judged[:-1]]):
+                    best = {name: _fp8_scale(originals[name], log_scales[name].detach()) for name in scaled}
+                    best_epoch = len(judged)
     with torch.no_grad():
         for name, module in scaled.items():
-            module.weight_scale.data = _fp8_scale(originals[name], log_scales[name]).to(module.weight_scale.dtype)
-    after = calibration_kl(student, teacher, windows)
-    kept = after <= before
+            module.weight_scale.data = best.get(name, originals[name].float()).to(module.weight_scale.dtype)
+    after, judged_after = calibration_kl(student, teacher, windows), calibration_kl(student, teacher, judged_on)
+    kept = bool(best) and judged_after <= judged_before
     if not kept:
         for name, module in scaled.items():
             module.weight_scale.data = originals[name]
+        after, judged_after = before, judged_before
     changed = sum(int((module.weight_scale.data != originals[name]).sum()) for name, module in scaled.items())
     return {
         "tokens": sum(len(w) for w in windows),
@@ -72,6 +90,11 @@ def distill_scales(student: torch.nn.Module, teacher: torch.nn.Module, windows: 
         "modules": len(scaled),
         "calibration_kld_before": before,
         "calibration_kld_after": after,
+        "held_back_tokens": sum(len(w) for w in held_back),
+        "held_back_kld_before": judged_before,
+        "held_back_kld_after": judged_after,
+        "held_back_kld_by_epoch": judged,
+        "best_epoch": best_epoch,
         "kept": kept,
         "scales_changed": changed,
         "first_loss": losses[0],
@@ -86,23 +109,35 @@ def calibration_kl(student: torch.nn.Module, teacher: torch.nn.Module, windows: 
     with torch.no_grad():
         for window in windows:
             ids = window[None].to(next(student.parameters()).device)
-            target = F.log_softmax(teacher(ids).logits.float(), -1)
+            target = _teacher_log_probs(teacher, ids)
             kl = _kl(target, F.log_softmax(student(ids).logits.float(), -1))
             total, count = total + float(kl.sum()), count + kl.numel()
     return total / count
 
 
-def distill_windows(input_ids: list[list[int]], tokens: int) -> list[torch.Tensor]:
-    """The first `tokens` calibration tokens, as the calibration sequences they came in."""
+@torch.no_grad()
+def _teacher_log_probs(teacher: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The teacher's float32 log-probabilities on `ids`, where the student is (the teacher may be
+    on another device: the BF16 copy stays where it was loaded while the student is calibrated)."""
+    logits = teacher(ids.to(next(teacher.parameters()).device)).logits.float()
+    return F.log_softmax(logits, -1).to(ids.device)
+
+
+def distill_windows(input_ids: list[list[int]], tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(training, held back): the last `HELD_BACK` of the calibration sequences (at least one, none
+    from a single sequence) held back whole, and the first `tokens` tokens of the others to train
+    on, as the sequences they came in."""
+    held = max(1, round(len(input_ids) * HELD_BACK)) if len(input_ids) > 1 else 0
+    train, held_back = input_ids[: len(input_ids) - held], input_ids[len(input_ids) - held :]
     windows, taken = [], 0
-    for ids in input_ids:
+    for ids in train:
         if taken >= tokens:
             break
         window = torch.tensor(ids[: tokens - taken])
         if len(window) > 1:
             windows.append(window)
             taken += len(window)
-    return windows
+    return windows, [torch.tensor(ids) for ids in held_back if len(ids) > 1]
 
 
 def _kl(target: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,14 @@
 """The llmcompressor modifier of a quantize run and its oneshot application (the YAML schema is onboard.recipes)."""
 
 import copy
+import json
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from datasets import Dataset
 
+from onboard import atomic
 from onboard.quantize.schemes import SCHEMES
 from onboard.recipes import Method, Quantize
 
@@ -68,6 +71,26 @@ def modifier(settings: Quantize, scheme: str, pinned: dict[str, list[str]] | Non
         ]
     # rtn, and autoround's formats auto-round has no preset for (FP8 copies of a search): to nearest
     return [*stack, _quantizer(QuantizationModifier, groups, options)]
+
+
+def patterns_first(artifact: Path) -> None:
+    """Rewrite the saved `config.json` with name-pattern config groups ahead of class-name ones.
+
+    compressed-tensors saves the groups in module order ("Linear" first) and, when transformers
+    or vLLM applies them, credits each module to the first target it matches, then warns
+    "Could not match" for every pinned pattern, though it gives each module the most specific
+    group all the same.  transformers writes config.json with sorted keys, so the groups are
+    renumbered in the order they must be read."""
+    path = artifact / "config.json"
+    if not path.is_file():  # under torchrun only rank 0 saves
+        return
+    config = json.loads(path.read_text())
+    groups = (config.get("quantization_config") or {}).get("config_groups")
+    if not groups:
+        return
+    ordered = sorted(groups.values(), key=lambda group: not any(t.startswith("re:") for t in group["targets"]))
+    config["quantization_config"]["config_groups"] = {f"group_{i}": group for i, group in enumerate(ordered)}
+    atomic.write_text(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _quantizer(cls, groups: list[tuple[str, list[str]]], options: dict):

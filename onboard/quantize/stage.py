@@ -10,7 +10,16 @@ from typing import Any
 import torch
 
 from onboard import atomic
-from onboard.budget import STREAMED_HOLDS, StagePlan, estimate, human, model_shape, plan_stage, resolve_budget
+from onboard.budget import (
+    STREAMED_HOLDS,
+    ModelShape,
+    StagePlan,
+    estimate,
+    human,
+    model_shape,
+    plan_stage,
+    resolve_budget,
+)
 from onboard.console import console
 from onboard.errors import OnboardError
 from onboard.hashing import fingerprint
@@ -52,17 +61,31 @@ def quantize_plan(checkpoint: Checkpoint, settings: Quantize, budget: int) -> St
     its calibration's.  Under torchrun every rank loads offloaded, whatever the budget."""
     shape = model_shape(checkpoint.path)
     tokens = settings.calibration.num_samples * settings.calibration.max_seq_length
-    peaks = None
+    calibration = estimate("quantize", shape, tokens)
+    peaks = calibration
     if settings.scheme == "auto":  # the selection, then the formats' copies and the artifact calibrate
-        selection, calibration = (
-            estimate("selection", shape, settings.search.tokens),
-            estimate("quantize", shape, tokens),
-        )
+        selection = estimate("selection", shape, settings.search.tokens)
         peaks = (max(selection[0], calibration[0]), max(selection[1] or 0, calibration[1] or 0))
+    peaks = (peaks[0] + _in_memory_extra(shape, settings), peaks[1])
     plan = plan_stage("quantize", shape, budget, tokens, peaks=peaks)
     if distributed.world_size() > 1 and plan.path == "in-memory":  # distributed oneshot loads offloaded
         plan = replace(plan, path="streamed", bound=STREAMED_HOLDS["quantize"])
     return plan
+
+
+def _in_memory_extra(shape: ModelShape, settings: Quantize) -> int:
+    """What the in-memory-only steps hold beside the calibration: `--method auto`'s candidate copy,
+    a search's smoothed or rotated copy (`modifiers.prepared_copy`) and distillation's BF16 teacher
+    with the student's autograd state over one calibration window (float32 logits, their
+    log-softmax and gradient, and each layer's saved activations)."""
+    method = settings.method
+    prepared = settings.scheme == "auto" and method != "auto" and (method.smoothing != "none" or method.rotations)
+    extra = shape.total_bytes if method == "auto" or prepared else 0
+    if settings.distill_tokens:
+        window = min(settings.distill_tokens, settings.calibration.max_seq_length)
+        per_token = 3 * 4 * shape.vocab_size + 20 * 4 * shape.num_layers * (shape.hidden_size + shape.intermediate_size)
+        extra += shape.total_bytes + window * per_token
+    return extra
 
 
 def run_quantize(
@@ -157,13 +180,19 @@ def run_quantize(
         )
         distilled: dict[str, Any] = {}
         if teacher is not None:
-            windows = distill_windows(calibrated["input_ids"], settings.distill_tokens)
-            distilled = distill_scales(model, teacher, windows)
+            distilled = distill_scales(
+                model, teacher, *distill_windows(calibrated["input_ids"], settings.distill_tokens)
+            )
             del teacher
             console.print(
-                f"distilled NVFP4 scales on {distilled['tokens']} tokens: calibration KL "
-                f"{distilled['calibration_kld_before']:.4f} -> {distilled['calibration_kld_after']:.4f}"
-                + ("" if distilled["kept"] else " (not kept: it rose)")
+                f"distilled NVFP4 scales on {distilled['tokens']} tokens: KL on the "
+                f"{distilled['held_back_tokens']} held-back calibration tokens "
+                f"{distilled['held_back_kld_before']:.4f} -> {distilled['held_back_kld_after']:.4f}"
+                + (
+                    f" (epoch {distilled['best_epoch']} kept)"
+                    if distilled["kept"]
+                    else " (not kept: no epoch lowered it)"
+                )
             )
         # The artifact scored on the search's tokens: in memory when the search composed on this
         # model, from the saved artifact when it is offloaded or the search ran on a smoothed or
@@ -176,6 +205,7 @@ def run_quantize(
         # Shards of a fixed size, whatever the path: the same bytes in memory or streamed, and
         # an offloaded model is gathered one shard at a time.
         model.save_pretrained(artifact, save_compressed=True, max_shard_size=SHARD_SIZE)
+        modifiers.patterns_first(artifact)
         tokenizer.save_pretrained(artifact)
         if auto and not in_place:
             auto["artifact_kld"] = artifact_kld(selection.replay, artifact)

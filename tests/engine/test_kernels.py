@@ -1,6 +1,7 @@
 """Fast numerics' kernel choice: measured per shape, invariance probed, cached per machine."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -57,10 +58,8 @@ def test_a_pair_called_invariant_gives_a_row_the_same_bits_alone_and_batched() -
         assert torch.equal(kernels(x, None), torch.cat([kernels(x[i : i + 1], None) for i in range(8)]))
 
 
-def _measure(
-    one_row: dict, rows: dict, invariant: list, exact: tuple[list, list] = (["plain"], ["plain"])
-) -> ShapeMeasure:
-    return ShapeMeasure(one_row, rows, invariant, exact_one_row=exact[0], exact_rows=exact[1])
+def _measure(one_row: dict, rows: dict, invariant: list, exact_one_row: tuple = ("plain",)) -> ShapeMeasure:
+    return ShapeMeasure(one_row, rows, invariant, exact_one_row=list(exact_one_row))
 
 
 def test_without_invariance_each_regime_takes_its_fastest_kernel() -> None:
@@ -77,36 +76,53 @@ def test_exact_kernel_is_kept_without_a_measured_gain() -> None:
 
 
 def test_a_linear_that_quantizes_its_input_keeps_exact_rounding() -> None:
-    """Only kernels that gave plain's bits on the probe, several rows (a prefill) first."""
+    """Several rows through `plain` itself (no probe at a few row counts vouches for the others),
+    one row through kernels that gave plain's bits on the probe."""
     one_row, rows = {"plain": 50, "pytorch": 20, "onednn": 30}, {"plain": 100, "pytorch": 900, "onednn": 60}
-    same_as_plain = (["plain", "onednn"], ["plain", "onednn"])
-    m = _measure(one_row, rows, [["onednn", "onednn"], ["pytorch", "pytorch"]], same_as_plain)
+    same_as_plain = ("plain", "onednn")
+    m = _measure(one_row, rows, [["onednn", "onednn"], ["onednn", "plain"], ["pytorch", "pytorch"]], same_as_plain)
     assert m.choose(False) == KernelChoice("pytorch", "onednn")  # any rounding, fastest
-    assert m.choose(False, exact_rounding=True) == KernelChoice("onednn", "onednn")
-    assert m.choose(True, exact_rounding=True) == KernelChoice("onednn", "onednn")
-    # oneDNN's one row rounds otherwise than its several (as exact's one row does): the prefill keeps
-    # exact's rounding, a lone row is padded to two
+    assert m.choose(False, exact_rounding=True) == KernelChoice("onednn", "plain")
+    assert m.choose(True, exact_rounding=True) == KernelChoice("onednn", "plain")
+    # oneDNN's one row rounds otherwise than plain's several: a lone row is padded to two
     split = _measure(
-        {**one_row, "onednn2": 35},
-        rows,
-        [["pytorch", "pytorch"], ["onednn2", "onednn"]],
-        (["plain", "onednn"], ["plain", "onednn"]),
+        {**one_row, "onednn2": 35}, rows, [["pytorch", "pytorch"], ["onednn2", "plain"]], ("plain", "onednn2")
     )
-    assert split.choose(True, exact_rounding=True) == KernelChoice("onednn2", "onednn")
+    assert split.choose(True, exact_rounding=True) == KernelChoice("onednn2", "plain")
     # no invariant pair keeps the several-row rounding: then the one-row one, each row on its own
-    alone = _measure(one_row, rows, [["pytorch", "pytorch"]], (["plain"], ["plain", "onednn"]))
+    alone = _measure(one_row, rows, [["pytorch", "pytorch"], ["onednn", "onednn"]])
     assert alone.choose(True, exact_rounding=True) == KernelChoice("plain", "per_row")
 
 
-def test_the_probe_finds_which_kernels_round_as_plain() -> None:
+def test_the_probe_finds_which_one_row_kernels_round_as_plain() -> None:
     gen = torch.Generator().manual_seed(5)
     weight = (torch.randn(96, 160, generator=gen) * 0.1).to(torch.bfloat16)
     measured = measure_shape([weight], bias=False)
-    assert "plain" in measured.exact_one_row and "plain" in measured.exact_rows
-    x = torch.randn(5, 160, generator=gen).to(torch.bfloat16)
-    for kernel in measured.exact_rows:
-        bound = BoundKernels(weight, KernelChoice("plain", kernel))
+    assert "plain" in measured.exact_one_row
+    x = torch.randn(1, 160, generator=gen).to(torch.bfloat16)
+    for kernel in measured.exact_one_row:
+        bound = BoundKernels(weight, KernelChoice(kernel, "plain"))
         assert torch.equal(bound.run(kernel, x, None), F.linear(x, weight)), kernel
+
+
+def test_every_linear_upstream_of_a_quantizer_keeps_exact_rounding() -> None:
+    """Once one linear quantizes its input, all but the output head round as exact's do."""
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Module()
+    model.quantized = EngineLinear(torch.randn(64, 64, generator=gen).bfloat16(), act_quant=lambda x: x)
+    model.plain = EngineLinear(torch.randn(96, 64, generator=gen).bfloat16())
+    model.lm_head = EngineLinear(torch.randn(128, 64, generator=gen).bfloat16(), name="lm_head")
+    report = {row["shape"]: row["exact_rounding"] for row in choose_kernels(model, batch_invariant=False)}
+    assert report == {
+        "cpu:bfloat16:64x64:nobias": True,
+        "cpu:bfloat16:96x64:nobias": True,
+        "cpu:bfloat16:128x64:nobias": False,
+    }
+    for linear in (model.quantized, model.plain):
+        assert linear.kernels.choice.rows == "plain"
+    del model.quantized
+    report = choose_kernels(model, batch_invariant=False)
+    assert not any(row["exact_rounding"] for row in report)
 
 
 def test_with_invariance_only_measured_pairs_or_per_row() -> None:
@@ -144,7 +160,8 @@ def test_measurements_are_cached_per_machine(onboard_cache: Path, monkeypatch: p
     stored = json.loads(first.path.read_text())
     assert stored["machine"] == machine() and key in stored["shapes"]
     assert KernelCache().measure([weight], bias=True)[1:] == (measured, True)
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # another ISA: another machine to measure
+    other = "AVX512_CORE" if os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX2" else "AVX2"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", other)  # another ISA: another machine to measure
     assert KernelCache().path != first.path
 
 

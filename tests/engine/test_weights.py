@@ -247,8 +247,17 @@ def test_linears_that_quantize_their_inputs_stay_apart(artifacts, label: str) ->
     """A fused product rounds as another shape does, and a quantized input amplifies that."""
     weights = CheckpointWeights(artifacts(label))
     prefix = "model.layers.1.mlp.experts.0" if label == "moe_nvfp4" else "model.layers.0.mlp"
-    with pytest.raises(NotFusable, match="quantize their inputs"):
+    with pytest.raises(NotFusable, match="quantizes activations"):
         weights.fused_linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+
+
+def test_plain_linears_of_a_model_that_quantizes_activations_stay_apart(artifacts) -> None:
+    """BF16 linears feed quantized inputs downstream: fused, they would round otherwise."""
+    weights = CheckpointWeights(artifacts("nvfp4_bf16_down"))
+    downs = [f"model.layers.{i}.mlp.down_proj" for i in (0, 1)]
+    assert {weights.effective_format(p) for p in downs} == {"bf16"}
+    with pytest.raises(NotFusable, match="quantizes activations"):
+        weights.fused_linear(downs)
 
 
 def test_not_fusable(artifacts) -> None:

@@ -94,6 +94,16 @@ def test_a_rerun_keeps_every_row_measured_before(bench: dict, tmp_path: Path, ti
     assert sorted(map(json.dumps, fewer["rows"])) == sorted(map(json.dumps, bench["rows"]))
 
 
+def test_rows_of_other_package_versions_are_measured_again(bench: dict, tmp_path: Path, tiny_llama: Path) -> None:
+    out = tmp_path / "bench-quant.json"
+    older = {**bench, "versions": {**bench["versions"], "llmcompressor": "0.0.1"}}
+    older["rows"] = [{**row, "mean_kld": -1.0} for row in bench["rows"]]
+    out.write_text(json.dumps(older))
+    again = run_bench_quant(inspect_checkpoint(tiny_llama), RECIPE, [5.0], None, None, out, ("rtn",))
+    assert again["versions"] == bench["versions"]
+    assert again["rows"] and all(row["mean_kld"] >= 0 for row in again["rows"])
+
+
 def test_calibration_and_heldout_text_are_apart(bench: dict) -> None:
     assert bench["data"] == "builtin:eval" and bench["calibration"] == "builtin:calib"
     assert bench["heldout_tokens"] > 0

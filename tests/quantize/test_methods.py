@@ -133,21 +133,27 @@ def test_method_auto_trace_follows_the_rule(tiny_llama: Path) -> None:
     assert chosen.name == record["chosen"] == best["method"]
 
 
-def test_pinned_groups_apply_without_could_not_match_warnings(tiny_llama: Path, caplog) -> None:
+def test_pinned_groups_apply_without_could_not_match_warnings(tiny_llama: Path, tmp_path: Path, caplog) -> None:
     """compressed-tensors warns for a target no module was credited to; pinned patterns listed
-    after "Linear" were never credited, though applied (issue 24's quick-demo warnings)."""
-    from onboard.quantize.modifiers import apply
+    after "Linear" were never credited, though applied (issue 24's quick-demo warnings), both
+    when llm-compressor applies the recipe and when transformers loads the saved artifact."""
+    from onboard.quantize.modifiers import apply, patterns_first
 
     checkpoint = inspect_checkpoint(tiny_llama)
     model = load_model(checkpoint)
     pinned = {"fp8": [r"re:^model\.layers\.0\.self_attn\.o_proj$"], "bf16": [r"re:^model\.layers\.1\.mlp\.down_proj$"]}
     with caplog.at_level("WARNING", logger="compressed_tensors"):
         apply(model, load_tokenizer(checkpoint), modifier(Quantize(scheme="nvfp4a16"), "nvfp4a16", pinned), None, 64)
+        model.save_pretrained(tmp_path, save_compressed=True)
+        patterns_first(tmp_path)
+        loaded = load_model(inspect_checkpoint(tmp_path))
     assert not [r for r in caplog.records if "Could not match" in r.getMessage()]
-    layers = model.model.layers
-    assert layers[0].self_attn.o_proj.quantization_scheme.weights.num_bits == 8
-    assert layers[0].self_attn.q_proj.quantization_scheme.weights.num_bits == 4
-    assert getattr(layers[1].mlp.down_proj, "quantization_scheme", None) is None
+    groups = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert [group["targets"] for group in groups.values()][-1] == ["Linear"]
+    for layers in (model.model.layers, loaded.model.layers):
+        assert layers[0].self_attn.o_proj.quantization_scheme.weights.num_bits == 8
+        assert layers[0].self_attn.q_proj.quantization_scheme.weights.num_bits == 4
+        assert getattr(layers[1].mlp.down_proj, "quantization_scheme", None) is None
 
 
 @pytest.mark.parametrize("name", ["awq", "smoothquant", "spinquant", "awq+gptq"])

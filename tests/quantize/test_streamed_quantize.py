@@ -12,7 +12,7 @@ from onboard.quantize import modifiers
 from onboard.quantize.calibration import calibration_dataset
 from onboard.quantize.offloaded import conversion_mappings_kept, load_offloaded
 from onboard.quantize.stage import quantize_plan, run_quantize
-from onboard.recipes import Calibration, Quantize
+from onboard.recipes import Calibration, Method, Quantize
 from onboard.workspace import RunDir
 
 SETTINGS = Quantize(calibration=Calibration(num_samples=4, max_seq_length=64))
@@ -120,3 +120,19 @@ def test_what_runs_in_memory_only_is_refused_streamed(tiny_llama: Path, tmp_path
     with pytest.raises(OnboardError, match=refusal), RunDir(tmp_path / "run") as run:
         run_quantize(run, inspect_checkpoint(tiny_llama), settings, None, budget)
     assert not (tmp_path / "run/artifact").exists()
+
+
+@pytest.mark.parametrize(
+    "update",
+    [{"method": "auto"}, {"distill_tokens": 256}, {"scheme": "auto", "bits_budget": 5.0, "method": "awq"}],
+    ids=["method-auto", "distill", "search-with-smoothing"],
+)
+def test_in_memory_only_steps_plan_their_extra_copy(tiny_llama: Path, update: dict) -> None:
+    """A candidate's copy, a teacher or a smoothed copy is one more model held: at least the
+    checkpoint's size above the same settings without the step, and streaming is unchanged."""
+    checkpoint = inspect_checkpoint(tiny_llama)
+    settings = Quantize(**{**SETTINGS.model_dump(), **update})
+    plain = settings.model_copy(update={"method": Method(), "distill_tokens": 0})
+    with_step, without = quantize_plan(checkpoint, settings, 1 << 50), quantize_plan(checkpoint, plain, 1 << 50)
+    assert with_step.in_memory >= without.in_memory + model_shape(tiny_llama).total_bytes
+    assert with_step.streamed == without.streamed
