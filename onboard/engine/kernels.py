@@ -344,20 +344,20 @@ def choose_kernels(model: torch.nn.Module, batch_invariant: bool) -> list[dict[s
     head = getattr(model, "lm_head", None)
     groups: dict[tuple, list[EngineLinear]] = {}
     for module in linears:
-        w, bias, quantizes = module.weight, module.bias is not None, quantized and module is not head
-        groups.setdefault((tuple(w.shape), w.dtype, w.device, bias, quantizes), []).append(module)
+        w, bias, exact = module.weight, module.bias is not None, quantized and module is not head
+        groups.setdefault((tuple(w.shape), w.dtype, w.device, bias, exact), []).append(module)
     cache = KernelCache()
     report = []
-    for (_, _, _, bias, quantizes), linears in groups.items():
+    for (_, _, _, bias, exact), linears in groups.items():
         key, measured, cached = cache.measure([m.weight for m in linears], bias)
-        choice = measured.choose(batch_invariant, exact_rounding=quantizes)
+        choice = measured.choose(batch_invariant, exact_rounding=exact)
         for module in linears:
             module.use_kernels(choice)
         report.append(
             {
                 "shape": key,
                 "count": len(linears),
-                "exact_rounding": quantizes,
+                "exact_rounding": exact,
                 "one_row": choice.one_row,
                 "rows": choice.rows,
                 "one_row_us": measured.one_row_us,
