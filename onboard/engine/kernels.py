@@ -22,20 +22,34 @@ Candidates (one row / several rows):
            construction
 
 A linear that quantizes its input (W4A4, FP8 W8A8) re-quantizes every last-bit difference
-upstream into other 4- or 8-bit values, and a W4A4 model amplifies them into other tokens (on the
-demo's NVFP4 artifacts, fast kernels of other roundings moved the served distributions by a KL of
-0.14-0.17 nats from transformers', and raised the damage against the source by 2-13 %).  So in a
-model with such linears, every linear whose output reaches a quantizer (all but the output head)
-keeps exact's rounding, and none is fused (`weights.py`): on several rows that is `plain` itself,
-since which order a kernel sums in depends on the row count and a probe at a few counts proves
-nothing for the others (oneDNN's pre-reordered weight rounded as `plain` at 2, 3 and 16 rows and
-otherwise at 80 on an AMX Xeon, moving the quick demo's damage 17 % from transformers'); on one
-row, the one-row kernels that gave `plain`'s bits on the probe, a single row being a single case.
+upstream into other 4- or 8-bit values, and a W4A4 model amplifies them into other tokens and
+another damage.  So in a model with such linears, every linear whose output reaches a quantizer
+(all but the output head: `feeds_quantizer`) is chosen for its rounding first, and none is fused
+(`weights.py`).  Which order a CPU kernel sums a row in depends on how many rows the call has: on
+an AMX Xeon, `F.linear` rounds a row as its one-row kernel does below about 40 rows, otherwise
+from there to a few hundred, and a probe at a few row counts proves nothing for the others.  So
+no kernel that takes a step's rows as they come is batch invariant there, and one more candidate
+is offered to these linears:
 
-The choice (`ShapeMeasure.choose`): without batch invariance, the fastest kernel for one row
-and the fastest for several; with it, the invariant pair (`per_row` pairs with any one-row
-kernel) with the least time per token at one row plus at `PROBE_ROWS` rows, among pairs no
-slower than exact numerics' `F.linear` one row at a time.  A candidate within `TIE` of exact's
+  tiled    (one row and several) `F.linear` over `tile_rows` rows at a time, the last tile padded
+           with zeros: every call has the same row count, so a row gets the same bits alone,
+           batched, after a prefix-cache hit or in a speculative verification
+
+With batch invariance, a feeds-quantizer linear runs `tiled`, among the tile sizes the probe
+found invariant (a row's bits the same at any place in a tile, beside any other rows), the one
+that most often rounds as `F.linear` does at a prefill's row counts (what transformers runs for a
+prompt), then the fastest on one row.  On the AMX Xeon, tiles of 16 or 32 rows round as one row
+does and served 19 % more damage than transformers on the quick demo's artifact, tiles of 48 or
+more 3 % (transformers itself on inputs moved by one ulp: 3-7 %).  A lone row then costs a tile:
+there, batch-invariant fast numerics decodes that artifact more slowly than exact numerics at
+concurrency 1 (and several times faster at 16; `docs/benchmarks.md`).  Without batch invariance:
+`plain` on several rows (exact's rounding at any count) and, on one row, a kernel that gave
+`plain`'s bits on the probe, a single row being a single case.
+
+For the other linears (`ShapeMeasure.choose`): without batch invariance, the fastest kernel for
+one row and the fastest for several; with it, the invariant pair (`per_row` pairs with any
+one-row kernel) with the least time per token at one row plus at `PROBE_ROWS` rows, among pairs
+no slower than exact numerics' `F.linear` one row at a time.  A candidate within `TIE` of exact's
 own kernel is no measured gain: then exact's kernel is kept, and fast rounds as exact does.  So
 fast numerics is never slower than exact numerics, and dropping invariance never slower than
 keeping it, up to the timing's noise.  Not a CPU (or not bf16): the same measurement over the
@@ -64,7 +78,9 @@ PROBE_ROWS = 16  # rows of the several-row timing and of the invariance probe
 TIE = 1.1  # a gain within this factor is timing noise: exact's own kernel is kept
 _TIMED_WEIGHTS = 8  # distinct weights of a shape cycled through per timing pass (not all cache-hot)
 _REPEATS = 7
-_CACHE_VERSION = 3
+TILE_ROWS = (16, 32, 64, 128)  # the tile sizes `tiled` is probed with
+PREFILL_ROWS = (64, 256)  # row counts of a prefill, whose rounding a tile is compared with
+_CACHE_VERSION = 4
 
 
 def onednn_packs(weight: torch.Tensor) -> bool:
@@ -94,6 +110,17 @@ def pytorch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 class KernelChoice:
     one_row: str
     rows: str
+    tile_rows: int = 0  # `tiled`'s rows per call
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile_rows: int) -> torch.Tensor:
+    """`F.linear` over `tile_rows` rows at a time, the last tile padded with zeros: one row count
+    for every call, so a row's bits do not depend on the rows beside it (where the probe found
+    the kernel gives every place in a tile the same bits)."""
+    rows = x.shape[0]
+    padded = torch.cat([x, x.new_zeros(-rows % tile_rows, x.shape[1])]) if rows % tile_rows else x
+    tiles = [F.linear(padded[i : i + tile_rows], weight, bias) for i in range(0, padded.shape[0], tile_rows)]
+    return (tiles[0] if len(tiles) == 1 else torch.cat(tiles))[:rows]
 
 
 class BoundKernels:
@@ -105,7 +132,7 @@ class BoundKernels:
         self.packed = None
         if used & {"onednn", "onednn2"}:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
-        self.reads_plain = bool(used & {"plain", "pytorch"})
+        self.reads_plain = bool(used & {"plain", "pytorch", "tiled"})
         self.plain = weight if self.reads_plain else None
 
     def dense_weight(self) -> torch.Tensor:
@@ -120,6 +147,8 @@ class BoundKernels:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         if kernel == "onednn2":
             return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), self.packed, bias, "none", [], "")[:1]
+        if kernel == "tiled":
+            return tiled_linear(x, self.plain, bias, self.choice.tile_rows)
         if kernel == "per_row":
             return torch.cat([self.run(self.choice.one_row, x[i : i + 1], bias) for i in range(x.shape[0])])
         raise ValueError(f"unknown linear kernel {kernel!r}")
@@ -131,31 +160,47 @@ class BoundKernels:
 @dataclass
 class ShapeMeasure:
     """One weight shape on this machine: microseconds per call of each candidate (one row, and
-    `PROBE_ROWS` rows), the (one-row, several-row) pairs that gave every row the same bits, and
-    the one-row kernels that round as `plain` (exact numerics) does."""
+    `PROBE_ROWS` rows), the (one-row, several-row) pairs that gave every row the same bits, the
+    one-row kernels that round as `plain` (exact numerics) does, and per tile size of `tiled`
+    (`{"rows", "invariant", "prefill_agreement", "one_row_us"}`): whether the probe found it
+    invariant, the share of the probe's outputs it rounds as `plain` at `PREFILL_ROWS` rows, and
+    its time on one row."""
 
     one_row_us: dict[str, float]
     rows_us: dict[str, float]
     invariant: list[list[str]]
     exact_one_row: list[str]
+    tiles: list[dict[str, Any]]
 
     def rows_time(self, one_row: str, rows: str) -> float:
         return self.one_row_us[one_row] * PROBE_ROWS if rows == "per_row" else self.rows_us[rows]
 
-    def choose(self, batch_invariant: bool, exact_rounding: bool = False) -> KernelChoice:
+    def tile(self) -> int:
+        """The invariant tile size that rounds most often as a prefill's `plain`, then the
+        fastest on one row; 0 where no size is invariant."""
+        invariant = [t for t in self.tiles if t["invariant"]]
+        if not invariant:
+            return 0
+        return min(invariant, key=lambda t: (-t["prefill_agreement"], t["one_row_us"]))["rows"]
+
+    def choose(self, batch_invariant: bool, feeds_quantizer: bool = False) -> KernelChoice:
         """Without batch invariance, the fastest kernel for one row and for several.  With it, the
         invariant pair with the least time per token over one row and over `PROBE_ROWS` rows,
         among those no slower than exact numerics' `F.linear` one row at a time.  Either way,
         exact's own kernel (`plain`) where it is within `TIE` of the fastest: another rounding
-        only for a measured gain.  `exact_rounding` (a linear whose output reaches a quantizer,
-        where a last-bit difference is amplified into other quantized values): `plain` on several
-        rows (a prefill) where invariance allows, and one-row kernels that round as `plain`."""
+        only for a measured gain.  `feeds_quantizer` (a linear whose output reaches a quantizer,
+        where a last-bit difference is amplified into other quantized values): with invariance,
+        `tiled` (`tile`); without, `plain` on several rows and a one-row kernel that rounds as
+        `plain`.  Where no tile is invariant, the same as without: not batch invariant."""
         one_row_us, rows_us = self.one_row_us, self.rows_us
-        if exact_rounding:
-            one_row_us = {k: t for k, t in one_row_us.items() if k in self.exact_one_row}
+        if feeds_quantizer:
+            if batch_invariant and self.tile():
+                return KernelChoice("tiled", "tiled", self.tile())
+            one_row = _preferred({k: t for k, t in one_row_us.items() if k in self.exact_one_row})
+            return KernelChoice(one_row, "plain")
         if not batch_invariant:
             one_row = _preferred(one_row_us)
-            rows = [*rows_us, "per_row"] if not exact_rounding else ["plain"]
+            rows = [*rows_us, "per_row"]
             return KernelChoice(one_row, _preferred({r: self.rows_time(one_row, r) for r in rows}))
         exact = self.one_row_us["plain"] * TIE
         cost = {
@@ -166,10 +211,6 @@ class ShapeMeasure:
             and self.one_row_us[k] <= exact
             and self.rows_time(k, r) <= exact * PROBE_ROWS
         }
-        if exact_rounding:  # rounding as exact's in a prefill, then in decode, then speed
-            rank = {p: (p[1] != "plain", p[0] not in self.exact_one_row) for p in cost}
-            best_rank = min(rank.values())
-            cost = {p: c for p, c in cost.items() if rank[p] == best_rank}
         best = min(cost.values())
         if cost.get(("plain", "plain"), float("inf")) <= best * TIE:
             return KernelChoice("plain", "plain")
@@ -234,6 +275,30 @@ def _probe(
     return invariant, exact_one_row
 
 
+def _probe_tiles(weight: torch.Tensor, x: torch.Tensor, b: torch.Tensor | None) -> list[dict[str, Any]]:
+    """Per tile size, on the order probe: whether every row gets its bits alone at any place in a
+    tile beside other rows (at the start, one row in, and across a tile boundary), and the share of
+    outputs that match `plain` on a prefill of `PREFILL_ROWS` rows (the probe's rows among others)."""
+    gen = torch.Generator().manual_seed(2)
+    filler = torch.randn(max(*PREFILL_ROWS, 2 * max(TILE_ROWS)) + PROBE_ROWS, x.shape[1], generator=gen)
+    filler = filler.to(x.dtype).to(x.device)
+    prefill = [F.linear(torch.cat([x, filler[: m - PROBE_ROWS]]), weight, b)[:PROBE_ROWS] for m in PREFILL_ROWS]
+    tiles = []
+    for tile_rows in TILE_ROWS:
+        kernels = BoundKernels(weight, KernelChoice("tiled", "tiled", tile_rows))
+        alone = torch.cat([kernels(x[i : i + 1], b) for i in range(PROBE_ROWS)])
+        invariant = True
+        for offset in (0, 1, tile_rows - PROBE_ROWS // 2):
+            rows = torch.cat([filler[:offset], x, filler[offset : offset + tile_rows]])
+            invariant &= torch.equal(kernels(rows, b)[offset : offset + PROBE_ROWS], alone)
+        agreement = float(torch.stack([(alone == out).float().mean() for out in prefill]).mean())
+        one_row_us = _time_us([lambda k=kernels: k(x[:1], b)], weight.device)
+        tiles.append(
+            {"rows": tile_rows, "invariant": invariant, "prefill_agreement": agreement, "one_row_us": one_row_us}
+        )
+    return tiles
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -269,7 +334,8 @@ def measure_shape(weights: list[torch.Tensor], bias: bool) -> ShapeMeasure:
     one_row_us = {k: _time_us([lambda h=h, k=k: h.run(k, x[:1], b) for h in bound], first.device) for k in one_row}
     rows_us = {r: _time_us([lambda h=h, r=r: h.run(r, x, b) for h in bound], first.device) for r in rows}
     invariant, exact_one_row = _probe(out_features, in_features, first.dtype, first.device, bias)
-    return ShapeMeasure(one_row_us, rows_us, invariant, exact_one_row)
+    tiles = _probe_tiles(*order_probe(out_features, in_features, first.dtype, first.device, bias))
+    return ShapeMeasure(one_row_us, rows_us, invariant, exact_one_row, tiles)
 
 
 def machine() -> dict[str, Any]:
@@ -339,31 +405,33 @@ def choose_kernels(model: torch.nn.Module, batch_invariant: bool) -> list[dict[s
     from onboard.engine.linear import EngineLinear
 
     linears = [module for module in model.modules() if isinstance(module, EngineLinear)]
-    # once any linear quantizes its input, every product upstream of one must round as exact's
+    # once any linear quantizes its input, every product but the head's reaches a quantizer
     quantized = any(module.act_quant is not None for module in linears)
     head = getattr(model, "lm_head", None)
     groups: dict[tuple, list[EngineLinear]] = {}
     for module in linears:
-        w, bias, exact = module.weight, module.bias is not None, quantized and module is not head
-        groups.setdefault((tuple(w.shape), w.dtype, w.device, bias, exact), []).append(module)
+        w, bias, feeds = module.weight, module.bias is not None, quantized and module is not head
+        groups.setdefault((tuple(w.shape), w.dtype, w.device, bias, feeds), []).append(module)
     cache = KernelCache()
     report = []
-    for (_, _, _, bias, exact), linears in groups.items():
+    for (_, _, _, bias, feeds), linears in groups.items():
         key, measured, cached = cache.measure([m.weight for m in linears], bias)
-        choice = measured.choose(batch_invariant, exact_rounding=exact)
+        choice = measured.choose(batch_invariant, feeds_quantizer=feeds)
         for module in linears:
             module.use_kernels(choice)
         report.append(
             {
                 "shape": key,
                 "count": len(linears),
-                "exact_rounding": exact,
+                "feeds_quantizer": feeds,
                 "one_row": choice.one_row,
                 "rows": choice.rows,
+                "tile_rows": choice.tile_rows,
                 "one_row_us": measured.one_row_us,
                 "rows_us": measured.rows_us,
                 "invariant_pairs": measured.invariant,
                 "exact_one_row": measured.exact_one_row,
+                "tiles": measured.tiles,
                 "cached": cached,
             }
         )

@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 import tiny_models
 import torch
+from artifacts import quantize_into
 
 from onboard.adapt.parity import compare_greedy
 from onboard.engine import EngineConfig, LLMEngine, SamplingParams
+from onboard.recipes import Calibration, Quantize
 from onboard.speculator.draft import Eagle3Draft, draft_layer_config
 
 FAMILIES = ["tiny_llama", "tiny_qwen3", "tiny_qwen3_moe", *(f"tiny_{arch}" for arch in tiny_models.MLA_ARCHS)]
@@ -22,7 +24,7 @@ FAMILIES = ["tiny_llama", "tiny_qwen3", "tiny_qwen3_moe", *(f"tiny_{arch}" for a
 
 def make_engine(path: Path, dtype: torch.dtype, numerics: str, **overrides) -> LLMEngine:
     settings = {"block_size": 4, "num_blocks": 512, "max_model_len": 512, "enable_prefix_caching": False}
-    return LLMEngine(path, EngineConfig(**settings, numerics=numerics, **overrides), dtype=dtype)
+    return LLMEngine(path, EngineConfig(**{**settings, **overrides}, numerics=numerics), dtype=dtype)
 
 
 def prompts(n: int, lengths=(40, 9, 57, 23), seed: int = 0) -> list[list[int]]:
@@ -120,6 +122,26 @@ def test_fast_numerics_is_batch_invariant(arch: str, request) -> None:
     sampled = SamplingParams(temperature=0.9, max_tokens=32, seed=3)
     mixed = fast.generate([work[4], work[0], work[5], work[1]], [sampled, greedy(32), sampled, greedy(32)])
     assert batched == alone
+    assert [mixed[1].token_ids, mixed[3].token_ids] == [alone[0], alone[1]]
+
+
+def test_a_w4a4_artifact_is_batch_invariant_in_fast_numerics(tmp_path: Path, tiny_llama: Path) -> None:
+    """Every linear that feeds a quantizer runs tiled (where a tile size is invariant here): a
+    request's tokens alone equal its tokens batched, with the prefix cache warm (fewer rows in its
+    prefill), and among sampled requests."""
+    artifact = quantize_into(tmp_path, tiny_llama, Quantize(scheme="nvfp4", calibration=Calibration(num_samples=2)))
+    fast = make_engine(artifact, torch.bfloat16, "fast", enable_prefix_caching=True)
+    for row in fast.kernel_report:
+        if row["feeds_quantizer"] and any(t["invariant"] for t in row["tiles"]):
+            assert (row["one_row"], row["rows"]) == ("tiled", "tiled"), row["shape"]
+    work = prompts(6, lengths=(40, 9, 57, 23, 120, 3))
+    alone = [fast.generate([p], greedy(32))[0].token_ids for p in work]
+    batched = [c.token_ids for c in fast.generate(work, greedy(32))]
+    again = [c.token_ids for c in fast.generate(work[::-1], greedy(32))][::-1]
+    assert fast.stats()["prefix_cache_hits"] > 0
+    sampled = SamplingParams(temperature=0.9, max_tokens=32, seed=3)
+    mixed = fast.generate([work[4], work[0], work[5], work[1]], [sampled, greedy(32), sampled, greedy(32)])
+    assert batched == alone and again == alone
     assert [mixed[1].token_ids, mixed[3].token_ids] == [alone[0], alone[1]]
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from onboard.engine.kernels import (
     PROBE_ROWS,
     TIE,
+    TILE_ROWS,
     BoundKernels,
     KernelCache,
     KernelChoice,
@@ -58,8 +59,14 @@ def test_a_pair_called_invariant_gives_a_row_the_same_bits_alone_and_batched() -
         assert torch.equal(kernels(x, None), torch.cat([kernels(x[i : i + 1], None) for i in range(8)]))
 
 
-def _measure(one_row: dict, rows: dict, invariant: list, exact_one_row: tuple = ("plain",)) -> ShapeMeasure:
-    return ShapeMeasure(one_row, rows, invariant, exact_one_row=list(exact_one_row))
+def _measure(
+    one_row: dict, rows: dict, invariant: list, exact_one_row: tuple = ("plain",), tiles: tuple = ()
+) -> ShapeMeasure:
+    return ShapeMeasure(one_row, rows, invariant, exact_one_row=list(exact_one_row), tiles=list(tiles))
+
+
+def _tile(rows: int, invariant: bool, agreement: float, us: float) -> dict:
+    return {"rows": rows, "invariant": invariant, "prefill_agreement": agreement, "one_row_us": us}
 
 
 def test_without_invariance_each_regime_takes_its_fastest_kernel() -> None:
@@ -75,23 +82,41 @@ def test_exact_kernel_is_kept_without_a_measured_gain() -> None:
     assert faster.choose(batch_invariant=False) == KernelChoice("pytorch", "pytorch")
 
 
-def test_a_linear_that_quantizes_its_input_keeps_exact_rounding() -> None:
-    """Several rows through `plain` itself (no probe at a few row counts vouches for the others),
-    one row through kernels that gave plain's bits on the probe."""
+def test_a_linear_that_feeds_a_quantizer_is_chosen_for_its_rounding() -> None:
+    """Without invariance: several rows through `plain` itself (exact's rounding at any count), one
+    row through a kernel that gave plain's bits.  With it: `tiled`, the invariant tile size that
+    rounds most often as a prefill's `plain`, then the fastest; none invariant: as without."""
     one_row, rows = {"plain": 50, "pytorch": 20, "onednn": 30}, {"plain": 100, "pytorch": 900, "onednn": 60}
     same_as_plain = ("plain", "onednn")
-    m = _measure(one_row, rows, [["onednn", "onednn"], ["onednn", "plain"], ["pytorch", "pytorch"]], same_as_plain)
+    tiles = (_tile(16, True, 0.2, 40), _tile(32, False, 1.0, 45), _tile(64, True, 0.9, 80), _tile(128, True, 0.9, 90))
+    invariant = [["onednn", "onednn"], ["onednn", "plain"], ["pytorch", "pytorch"]]
+    m = _measure(one_row, rows, invariant, same_as_plain, tiles)
     assert m.choose(False) == KernelChoice("pytorch", "onednn")  # any rounding, fastest
-    assert m.choose(False, exact_rounding=True) == KernelChoice("onednn", "plain")
-    assert m.choose(True, exact_rounding=True) == KernelChoice("onednn", "plain")
-    # oneDNN's one row rounds otherwise than plain's several: a lone row is padded to two
-    split = _measure(
-        {**one_row, "onednn2": 35}, rows, [["pytorch", "pytorch"], ["onednn2", "plain"]], ("plain", "onednn2")
-    )
-    assert split.choose(True, exact_rounding=True) == KernelChoice("onednn2", "plain")
-    # no invariant pair keeps the several-row rounding: then the one-row one, each row on its own
-    alone = _measure(one_row, rows, [["pytorch", "pytorch"], ["onednn", "onednn"]])
-    assert alone.choose(True, exact_rounding=True) == KernelChoice("plain", "per_row")
+    assert m.choose(False, feeds_quantizer=True) == KernelChoice("onednn", "plain")
+    assert m.choose(True, feeds_quantizer=True) == KernelChoice("tiled", "tiled", 64)
+    assert m.choose(True) == KernelChoice("onednn", "onednn")  # other linears: the fastest invariant pair
+    untiled = _measure(one_row, rows, invariant, same_as_plain, [_tile(16, False, 1.0, 40)])
+    assert untiled.tile() == 0
+    assert untiled.choose(True, feeds_quantizer=True) == KernelChoice("onednn", "plain")
+
+
+@pytest.mark.parametrize("shape", [(96, 160), (576, 1536)])
+def test_a_tile_called_invariant_gives_a_row_its_bits_alone_batched_and_anywhere(shape: tuple[int, int]) -> None:
+    """Checked on other inputs than the probe's, at row counts and places the probe did not use."""
+    gen = torch.Generator().manual_seed(6)
+    weight = (torch.randn(*shape, generator=gen) * 0.05).to(torch.bfloat16)
+    measured = measure_shape([weight], bias=False)
+    assert [t["rows"] for t in measured.tiles] == list(TILE_ROWS)
+    x = (torch.randn(300, shape[1], generator=gen) * torch.randn(300, shape[1], generator=gen).exp()).to(torch.bfloat16)
+    for tile in measured.tiles:
+        kernels = BoundKernels(weight, KernelChoice("tiled", "tiled", tile["rows"]))
+        alone = torch.cat([kernels(x[i : i + 1], None) for i in range(24)])
+        outputs = [kernels(x[start : start + count], None)[:24] for start, count in ((0, 24), (0, 300), (0, 77))]
+        outputs.append(kernels(x[: 24 + 41], None)[:24])
+        if tile["invariant"]:
+            assert all(torch.equal(out, alone) for out in outputs), tile
+        assert torch.allclose(alone.float(), F.linear(x[:24].float(), weight.float()), atol=0.05, rtol=0.02)
+    assert measured.tile() in {0, *(t["rows"] for t in measured.tiles if t["invariant"])}
 
 
 def test_the_probe_finds_which_one_row_kernels_round_as_plain() -> None:
@@ -105,14 +130,15 @@ def test_the_probe_finds_which_one_row_kernels_round_as_plain() -> None:
         assert torch.equal(bound.run(kernel, x, None), F.linear(x, weight)), kernel
 
 
-def test_every_linear_upstream_of_a_quantizer_keeps_exact_rounding() -> None:
-    """Once one linear quantizes its input, all but the output head round as exact's do."""
+def test_every_linear_upstream_of_a_quantizer_feeds_it() -> None:
+    """Once one linear quantizes its input, all but the output head feed a quantizer: exact's
+    rounding without invariance, a tile where invariance is asked and a tile size is invariant."""
     gen = torch.Generator().manual_seed(0)
     model = torch.nn.Module()
     model.quantized = EngineLinear(torch.randn(64, 64, generator=gen).bfloat16(), act_quant=lambda x: x)
     model.plain = EngineLinear(torch.randn(96, 64, generator=gen).bfloat16())
     model.lm_head = EngineLinear(torch.randn(128, 64, generator=gen).bfloat16(), name="lm_head")
-    report = {row["shape"]: row["exact_rounding"] for row in choose_kernels(model, batch_invariant=False)}
+    report = {row["shape"]: row["feeds_quantizer"] for row in choose_kernels(model, batch_invariant=False)}
     assert report == {
         "cpu:bfloat16:64x64:nobias": True,
         "cpu:bfloat16:96x64:nobias": True,
@@ -120,9 +146,12 @@ def test_every_linear_upstream_of_a_quantizer_keeps_exact_rounding() -> None:
     }
     for linear in (model.quantized, model.plain):
         assert linear.kernels.choice.rows == "plain"
+    for row in choose_kernels(model, batch_invariant=True):
+        tiled = row["feeds_quantizer"] and any(t["invariant"] for t in row["tiles"])
+        assert (row["one_row"], row["rows"]) == ("tiled", "tiled") if tiled else row["rows"] != "tiled"
     del model.quantized
     report = choose_kernels(model, batch_invariant=False)
-    assert not any(row["exact_rounding"] for row in report)
+    assert not any(row["feeds_quantizer"] for row in report)
 
 
 def test_with_invariance_only_measured_pairs_or_per_row() -> None:
