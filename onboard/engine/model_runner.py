@@ -10,7 +10,7 @@ from onboard.engine.attention import attention_backend
 from onboard.engine.batch import ForwardBatch
 from onboard.engine.config import EngineConfig
 from onboard.engine.context import StepContext
-from onboard.engine.kernels import choose_kernels
+from onboard.engine.kernel_measure import choose_kernels
 from onboard.engine.kv_cache import KVCache
 from onboard.engine.models import model_class
 from onboard.engine.scheduler import ScheduledSeq

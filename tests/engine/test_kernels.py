@@ -8,20 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from onboard.engine.kernels import (
-    PROBE_ROWS,
-    TIE,
+from onboard.engine.kernel_measure import (
     TILE_ROWS,
-    BoundKernels,
     KernelCache,
-    KernelChoice,
-    ShapeMeasure,
-    candidates,
     choose_kernels,
     machine,
     measure_shape,
     order_probe,
 )
+from onboard.engine.kernels import PROBE_ROWS, TIE, BoundKernels, KernelChoice, ShapeMeasure, candidates
 from onboard.engine.linear import EngineLinear
 
 
