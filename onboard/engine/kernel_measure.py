@@ -48,12 +48,9 @@ def order_probe(
     return weight.to(device), x.to(dtype).to(device), b
 
 
-def _probe(
-    out_features: int, in_features: int, dtype: torch.dtype, device: torch.device, bias: bool
-) -> tuple[list[list[str]], list[str]]:
+def _probe(weight: torch.Tensor, x: torch.Tensor, b: torch.Tensor | None) -> tuple[list[list[str]], list[str]]:
     """On the order probe: the invariant (one-row, several-row) pairs, and the one-row kernels
     that give `plain`'s bits (exact numerics' rounding)."""
-    weight, x, b = order_probe(out_features, in_features, dtype, device, bias)
     one_row, rows = candidates(weight)
     kernels = BoundKernels(weight, KernelChoice("onednn" if "onednn" in one_row else "plain", "plain"))
     alone = {k: torch.cat([kernels.run(k, x[i : i + 1], b) for i in range(PROBE_ROWS)]) for k in one_row}
@@ -123,8 +120,9 @@ def measure_shape(weights: list[torch.Tensor], bias: bool) -> ShapeMeasure:
     bound = [BoundKernels(w, KernelChoice("onednn" if "onednn" in one_row else "plain", "plain")) for w in weights]
     one_row_us = {k: _time_us([lambda h=h, k=k: h.run(k, x[:1], b) for h in bound], first.device) for k in one_row}
     rows_us = {r: _time_us([lambda h=h, r=r: h.run(r, x, b) for h in bound], first.device) for r in rows}
-    invariant, exact_one_row = _probe(out_features, in_features, first.dtype, first.device, bias)
-    tiles = _probe_tiles(*order_probe(out_features, in_features, first.dtype, first.device, bias))
+    probe = order_probe(out_features, in_features, first.dtype, first.device, bias)
+    invariant, exact_one_row = _probe(*probe)
+    tiles = _probe_tiles(*probe)
     return ShapeMeasure(one_row_us, rows_us, invariant, exact_one_row, tiles)
 
 
