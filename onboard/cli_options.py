@@ -14,7 +14,8 @@ MethodOpt = Annotated[
     str | None,
     typer.Option(
         help="how weights are rounded, parts joined by +: rtn, gptq, autoround; observers mse, expanded_mse, "
-        "imatrix, expanded_imatrix; spinquant (R1/R2 fused); smoothquant, awq. auto: measured on calibration text"
+        "imatrix, expanded_imatrix; spinquant (R1/R2 fused); smoothquant, awq; options as field=value "
+        "(gptq_dampening=0.1). auto: measured on calibration text"
     ),
 ]
 DistillOpt = Annotated[

@@ -30,12 +30,16 @@ def _budgets(text: str) -> list[float]:
 
 
 def _methods(text: str) -> tuple[str, ...]:
-    from onboard.recipes import Method
+    from pydantic import ValidationError
+
+    from onboard.recipes import Method, describe
 
     names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
     for name in names:
         try:
-            Method.parse(name)
+            Method(**Method.parse(name))
+        except ValidationError as err:
+            raise OnboardError(f"--methods {name!r}: {describe(err)}") from err
         except ValueError as err:
             raise OnboardError(f"--methods {text!r}: {err}") from err
     if not names:

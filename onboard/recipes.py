@@ -59,6 +59,10 @@ METHOD_PARTS: dict[str, dict[str, object]] = {
 }
 
 
+# the fields the named parts set; every other field of Method is an option (`field=value`)
+_PART_FIELDS = frozenset(key for fields in METHOD_PARTS.values() for key in fields)
+
+
 class Method(_Strict):
     """How weights and activations are prepared and rounded: llm-compressor's levers that keep the
     artifact a plain compressed-tensors checkpoint (no runtime op), composed in its order:
@@ -81,6 +85,8 @@ class Method(_Strict):
 
     @property
     def name(self) -> str:
+        """The parts in llm-compressor's order, then every option off its default as `field=value`
+        (`awq+gptq+expanded_mse+gptq_dampening=0.1`): one name per method, which `parse` reads back."""
         defaults = Method()
         parts = []
         for part, fields in METHOD_PARTS.items():
@@ -90,15 +96,28 @@ class Method(_Strict):
                 getattr(defaults, k) != v for k, v in fields.items()
             ):
                 parts.append(part)
-        return "+".join(parts) or "rtn"
+        options = [
+            f"{key}={'none' if value is None else value}"
+            for key, value in self
+            if key not in _PART_FIELDS and value != getattr(defaults, key)
+        ]
+        return "+".join((parts or ["rtn"]) + options)
 
     @classmethod
     def parse(cls, name: str) -> dict[str, object]:
         fields: dict[str, object] = {}
-        for part in name.split("+"):
-            if part.strip() not in METHOD_PARTS:
-                raise ValueError(f"unknown method part {part.strip()!r}; compose with + from {', '.join(METHOD_PARTS)}")
-            for key, value in METHOD_PARTS[part.strip()].items():
+        for part in (part.strip() for part in name.split("+")):
+            key, sep, text = part.partition("=")
+            if sep:
+                if key not in cls.model_fields or key in _PART_FIELDS:
+                    options = ", ".join(k for k in cls.model_fields if k not in _PART_FIELDS)
+                    raise ValueError(f"unknown method option {key!r}; options: {options}")
+                given = {key: None if text == "none" else text}
+            elif part in METHOD_PARTS:
+                given = METHOD_PARTS[part]
+            else:
+                raise ValueError(f"unknown method part {part!r}; compose with + from {', '.join(METHOD_PARTS)}")
+            for key, value in given.items():
                 if key in fields and fields[key] != value:
                     raise ValueError(f"{name!r} sets {key} twice")
                 fields[key] = value
@@ -127,7 +146,13 @@ class Quantize(_Strict):
     method: Method | Literal["auto"] = Method()
     # Left out, on SmolLM2's figures (docs/benchmarks.md, issue #24): SpinQuant, which raised the KL,
     # and AutoRound, which took longer than AWQ for a higher KL.
-    candidates: list[str] = ["expanded_mse", "expanded_imatrix", "gptq+expanded_mse", "awq"]
+    candidates: list[str] = [
+        "expanded_mse",
+        "expanded_imatrix",
+        "gptq+expanded_mse",
+        "awq",
+        "awq+gptq+expanded_mse+gptq_dampening=0.1",
+    ]
     # After the method: NVFP4 block scales trained on KL to the unquantized model over this many
     # calibration tokens (0: none), kept only if the calibration KL does not rise.
     distill_tokens: int = Field(0, ge=0)
@@ -332,10 +357,14 @@ def with_overrides(recipe: Recipe, overrides: dict[str, tuple[str, object]]) -> 
     except ValidationError as err:
         flags = {dotted: flag for flag, (dotted, _) in overrides.items()}
         problem = err.errors()[0]
-        flag = flags.get(".".join(str(part) for part in problem["loc"]))
-        if flag is None:  # a rule across keys (a model validator): its message says it all
+        where = ".".join(str(part) for part in problem["loc"])
+        # the flag that set the key, or a key inside it (--method's gptq_dampening=x)
+        dotted = next((d for d in flags if where == d or where.startswith(d + ".")), None)
+        if dotted is None:  # a rule across keys (a model validator): its message says it all
             raise OnboardError(problem["msg"].removeprefix("Value error, ")) from err
-        raise OnboardError(f"{flag} {problem.get('input')!r}: {problem['msg']}") from err
+        inside = str(problem["loc"][-1]) if where != dotted else ""  # (the loc may name a union's branch)
+        given = f"{inside}={problem.get('input')!r}" if inside else repr(problem.get("input"))
+        raise OnboardError(f"{flags[dotted]} {given}: {problem['msg']}") from err
 
 
 def shipped_recipes() -> list[Path]:

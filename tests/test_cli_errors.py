@@ -332,6 +332,16 @@ def make_cases(i: Inputs) -> dict[str, Case]:
             ["bits budget", "auto"],
             runs / "budget_without_auto",
         ),
+        "method_bad_option": Case(
+            quantize("method_bad_option", i.model, "--method", "gptq+gptq_dampening=x"),
+            ["--method", "gptq_dampening='x'"],
+            runs / "method_bad_option",
+        ),
+        "bench_quant_bad_method_option": Case(
+            ["bench-quant", m, "--methods", "rtn,gptq+damp=0.1", "--out", str(runs / "bench-quant-method.json")],
+            ["--methods", "unknown method option 'damp'"],
+            runs / "bench-quant-method.json",
+        ),
         "bench_quant_bad_budgets": Case(
             ["bench-quant", m, "--budgets", "4.5,x", "--out", str(runs / "bench-quant.json")],
             ["--budgets", "4.5,x"],
@@ -431,6 +441,8 @@ CASES = [
     "unknown_scheme",
     "auto_without_budget",
     "budget_without_auto",
+    "method_bad_option",
+    "bench_quant_bad_method_option",
     "bench_quant_bad_budgets",
     "bench_kv_bad_contexts",
     "unknown_option",

@@ -44,6 +44,14 @@ def test_shipped_recipe_loads_and_documents_its_use(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_recipe_states_its_method_and_why(path: Path) -> None:
+    assert "method" in yaml.safe_load(path.read_text())["quantize"], f"{path.name} must state quantize.method"
+    lines = path.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith("method:"))
+    assert lines[at - 1].strip().startswith("#"), f"{path.name}: say above quantize.method why it is chosen"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_shipped_recipe_architectures_are_transformers_classes(path: Path) -> None:
     recipe = load_recipe(path)
     if recipe.quantize.formats:  # a pinned selection belongs to one checkpoint: --recipe only

@@ -30,7 +30,19 @@ def test_names_compose_in_llm_compressors_order() -> None:
     ]
 
 
-@pytest.mark.parametrize("name", ["gptq+autoround", "foo", "autoround+mse"])
+def test_options_off_their_default_are_part_of_the_name() -> None:
+    method = method_of("gptq+awq+gptq_dampening=0.1+gptq_actorder=none")
+    assert (method.gptq_dampening, method.gptq_actorder) == (0.1, None)
+    assert method.name == "awq+gptq+gptq_actorder=none+gptq_dampening=0.1"
+    assert method_of(method.name) == method
+    assert method_of("gptq+gptq_dampening=0.01").name == "gptq"  # the default is not spelled out
+    gptq = modifier(Quantize(method=method), "nvfp4")[-1]
+    assert (gptq.dampening_frac, gptq.actorder) == (0.1, None)
+
+
+@pytest.mark.parametrize(
+    "name", ["gptq+autoround", "foo", "autoround+mse", "gptq+observer=mse", "gptq+damp=0.1", "gptq+gptq_dampening=x"]
+)
 def test_bad_method_names_are_refused(name: str) -> None:
     with pytest.raises(ValueError):
         Quantize(method=name)
