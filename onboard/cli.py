@@ -1,5 +1,6 @@
 """The `onboard` command line: one thin command per stage, nothing else."""
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -157,6 +158,9 @@ def speculator(
     run_dir: Annotated[Path, typer.Argument(help="a run directory with a finished quantize stage")],
     data: Annotated[Path | None, typer.Option(help="training prompts (default: the project's own)")] = None,
     traffic: Annotated[str | None, typer.Option(help="code | chat | math | mixed")] = None,
+    draft: Annotated[
+        str | None, typer.Option(help="eagle3 (train a head) | mtp (fine-tune the artifact's own MTP layers)")
+    ] = None,
     num_speculative_tokens: Annotated[int | None, typer.Option(help="K, draft tokens per target forward")] = None,
     epochs: Annotated[int | None, typer.Option(help="training epochs")] = None,
     num_prompts: Annotated[int | None, typer.Option(help="prompts whose responses are regenerated")] = None,
@@ -177,10 +181,13 @@ def speculator(
     max_memory: MaxMemoryOpt = None,
 ) -> None:
     """Train an EAGLE-3 draft on the artifact's own responses and hidden states; export; measure.
+    Artifacts with MTP layers: their acceptance on the artifact and on the BF16 source too; with
+    --draft mtp, those layers fine-tuned on the artifact's states instead of an EAGLE-3 head.
     With --endpoint, only measure: the acceptance of the server's speculator on the held-out prompts
     (DATA's last rows or the eval split), from its /metrics counters, into
     RUN_DIR/endpoints/NAME/speculator/metrics.json."""
     from onboard.recipes import with_overrides
+    from onboard.speculator import parallel
     from onboard.speculator.stage import run_speculator
     from onboard.workspace import MANIFEST, RunDir
 
@@ -194,6 +201,7 @@ def speculator(
             "--num-prompts": num_prompts,
             "--responses-per-prompt": responses_per_prompt,
             "--states-from": states_from,
+            "--draft": draft,
         }
         given = [flag for flag, value in training.items() if value is not None]
         if given:
@@ -203,6 +211,7 @@ def speculator(
         run.recipe(),
         {
             "--traffic": ("speculator.traffic", traffic),
+            "--draft": ("speculator.draft", draft),
             "--num-speculative-tokens": ("speculator.num_speculative_tokens", num_speculative_tokens),
             "--epochs": ("speculator.epochs", epochs),
             "--num-prompts": ("speculator.num_prompts", num_prompts),
@@ -212,7 +221,9 @@ def speculator(
     data, device = existing_data(data), check_device(device)
     if states_from is not None and not (states_from / "config.json").is_file():
         raise OnboardError(f"--states-from {states_from}: not a checkpoint directory (no config.json)")
-    with run:
+    # Under torchrun every process trains; the main one alone holds the run (run_speculator).
+    parallel.init()
+    with run if parallel.is_main() else contextlib.nullcontext():
         if spec is None:
             run_speculator(
                 run, recipe.speculator, data, states_from, device, check_numerics(numerics), memory_budget(max_memory)

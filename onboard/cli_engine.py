@@ -18,6 +18,7 @@ from onboard.cli_options import (
     model_dir_of,
     torch_dtype,
 )
+from onboard.deploy.artifact import MTP, is_mtp, speculator_of
 from onboard.errors import OnboardError
 
 
@@ -137,12 +138,15 @@ def bench(
     if speculator:
         from onboard.speculator.measure import run_spec_bench
 
-        draft_dir = model_dir / "speculator"
-        if not (draft_dir / "config.json").is_file():
-            raise OnboardError(f"{draft_dir} holds no speculator; run `onboard speculator {path}` first")
+        found = speculator_of(model_dir, None, None)  # its speculator/, else its MTP layers
+        if found is None:
+            raise OnboardError(
+                f"{model_dir} has neither a speculator/ nor MTP layers; run `onboard speculator {path}` first"
+            )
+        draft_dir = found.path if found.path is not None else Path(MTP)
         for other in compare or []:
-            if not (other / "config.json").is_file():
-                raise OnboardError(f"--compare {other}: not a speculator export (no config.json)")
+            if not is_mtp(other) and not (other / "config.json").is_file():
+                raise OnboardError(f"--compare {other}: not a speculator export (no config.json), nor `mtp`")
         result = run_spec_bench(
             model_dir, draft_dir, compare or [], existing_data(data), num_prompts, max_tokens or 96, device
         )
@@ -195,8 +199,8 @@ def serve(
     speculator: Annotated[
         Path | None,
         typer.Option(
-            help="an EAGLE-3 export (e.g. RUN_DIR/artifact/speculator): speculative decoding "
-            "(vllm/sglang: the artifact's own speculator/ when there is one)"
+            help="an EAGLE-3 export (e.g. RUN_DIR/artifact/speculator), or `mtp`: the checkpoint's own MTP "
+            "layers; speculative decoding (vllm/sglang: the artifact's speculator/, else its MTP layers)"
         ),
     ] = None,
     num_speculative_tokens: Annotated[
@@ -261,8 +265,10 @@ def serve(
     model_dir = model_dir_of(path)
     if not (model_dir / "config.json").is_file():
         raise OnboardError(f"{model_dir} has no config.json: not a checkpoint (or a run without an artifact)")
-    if speculator is not None and not (speculator / "config.json").is_file():
+    if speculator is not None and not is_mtp(speculator) and not (speculator / "config.json").is_file():
         raise OnboardError(f"--speculator {speculator}: not a speculator export (no config.json)")
+    if is_mtp(speculator):
+        speculator_of(model_dir, speculator, num_speculative_tokens)  # one line when it has no MTP layers
     device = check_device(device or "cpu")
     numerics = check_numerics(numerics)
     if numerics == "exact" and not batch_invariant:

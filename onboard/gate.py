@@ -20,12 +20,14 @@ from rich.table import Table
 
 from onboard import atomic
 from onboard.errors import OnboardError
+from onboard.models.mtp import mtp_entries
 from onboard.recipes import Gate, describe
 from onboard.workspace import read_manifest
 
 PASSED, FAILED, INCOMPLETE = 0, 1, 2
 
 _STAGE_FILES = {
+    "quantize": "quantize/selection.json",
     "eval": "eval/kl.json",
     "speculator": "speculator/metrics.json",
     "adapt": "adapt/parity.json",
@@ -74,7 +76,15 @@ def _worst(key: str) -> Callable[[dict], float]:
     return worst
 
 
+def _mtp_kept(selection: dict) -> bool:
+    """The source's MTP layers are in the artifact (`quantize/mtp_carry.py`; checked again on the
+    artifact's files by `_stage_results`). A source without them has nothing to lose; a selection
+    written before onboard carried them records nothing, and is not judged on them."""
+    return bool(selection.get("mtp", {}).get("kept", True))
+
+
 CHECKS = (
+    Check("mtp_kept", "quantize", "require_mtp_kept", _required, _mtp_kept),
     Check("mean_kld", "eval", "max_mean_kld", operator.le, itemgetter("mean_kld")),
     Check("top1_agreement", "eval", "min_top1_agreement", operator.ge, itemgetter("top1_agreement")),
     Check(
@@ -170,6 +180,14 @@ def _stage_results(run_dir: Path) -> dict[str, dict | None]:
     layerwise = run_dir / "adapt/layerwise.json"
     if found["adapt"] is None and stages.get("adapt_layerwise", {}).get("status") == "done" and layerwise.is_file():
         found["adapt"] = {"rule": "layerwise", "layerwise": _load_metrics(layerwise)}
+    selection = found["quantize"]
+    if selection is not None and (selection.get("mtp") or {}).get("tensors"):
+        # Still there: a later rewrite of the artifact (a re-save, another tool) may have dropped them.
+        present = len(mtp_entries(run_dir / "artifact"))
+        selection["mtp"] = {
+            **selection["mtp"],
+            "kept": selection["mtp"]["kept"] and present == selection["mtp"]["tensors"],
+        }
     speculator = found["speculator"]
     if speculator is not None and speculator.get("acceptance_length") is None:
         found["speculator"] = _served_acceptance(run_dir) or speculator

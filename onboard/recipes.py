@@ -204,6 +204,9 @@ class Eval(_Strict):
 
 
 class SpeculatorSettings(_Strict):
+    # eagle3: train an EAGLE-3 head; mtp: fine-tune the artifact's own MTP layers (DeepSeek-V3/V3.2,
+    # GLM-5) on its states, written back into it when they accept more.
+    draft: Literal["eagle3", "mtp"] = "eagle3"
     traffic: Literal["chat", "code", "math", "mixed"] = "mixed"
     num_prompts: int = Field(400, gt=0)
     max_prompt_tokens: int = Field(256, gt=1)
@@ -252,6 +255,8 @@ class Smoke(_Strict):
 class Gate(_Strict):
     """Release thresholds; `onboard gate` checks each and `--set name=value` overrides one."""
 
+    # A source's MTP layers (its own speculator) are in the artifact, so `method: mtp` serves.
+    require_mtp_kept: bool = True
     max_mean_kld: float = Field(0.5, ge=0)
     min_top1_agreement: float = Field(0.6, ge=0, le=1)
     min_acceptance_length: float = Field(1.2, ge=1)

@@ -62,6 +62,32 @@ def tiny_glm_moe_dsa(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_models.build_model(tmp_path_factory.mktemp("tiny_glm_moe_dsa"), "glm_moe_dsa")
 
 
+@pytest.fixture(scope="session")
+def tiny_mtp_deepseek_v3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_deepseek_v3 with an MTP layer (model.layers.3.*). Shared: do not modify."""
+    return tiny_models.build_mtp_model(tmp_path_factory.mktemp("tiny_mtp_deepseek_v3"), "deepseek_v3")
+
+
+@pytest.fixture(scope="session")
+def tiny_mtp_deepseek_v32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_deepseek_v32 (DSA) with an MTP layer. Shared: do not modify."""
+    return tiny_models.build_mtp_model(tmp_path_factory.mktemp("tiny_mtp_deepseek_v32"), "deepseek_v32")
+
+
+@pytest.fixture(scope="session")
+def tiny_mtp_glm_moe_dsa(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_glm_moe_dsa (GLM-5) with an MTP layer. Shared: do not modify."""
+    return tiny_models.build_mtp_model(tmp_path_factory.mktemp("tiny_mtp_glm_moe_dsa"), "glm_moe_dsa")
+
+
+@pytest.fixture(scope="session")
+def tiny_mtp_predictable(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_mtp_deepseek_v3 whose main layers add nothing to the embedding: its greedy text is a
+    short cycle an MTP layer can learn. Shared: do not modify."""
+    path = tmp_path_factory.mktemp("tiny_mtp_predictable")
+    return tiny_models.build_mtp_model(path, "deepseek_v3", residual_scale=0.0)
+
+
 @pytest.fixture
 def tiny_llama_copy(tiny_llama: Path, tmp_path: Path) -> Path:
     """A private copy of `tiny_llama` that a test may corrupt."""

@@ -294,7 +294,7 @@ def make_cases(i: Inputs) -> dict[str, Case]:
         ),
         "bench_speculator_missing": Case(
             ["bench", m, "--speculator"],
-            ["holds no speculator"],
+            ["has neither a speculator/ nor MTP layers"],
             i.existing_dir,
         ),
         "serve_exact_not_invariant": Case(
@@ -305,6 +305,11 @@ def make_cases(i: Inputs) -> dict[str, Case]:
         "serve_speculator_missing": Case(
             ["serve", m, "--speculator", str(i.existing_dir)],
             ["not a speculator export"],
+            i.existing_dir,
+        ),
+        "serve_speculator_mtp_missing": Case(
+            ["serve", m, "--speculator", "mtp"],
+            ["--speculator mtp", "has no MTP layers"],
             i.existing_dir,
         ),
         "run_max_tokens_0": Case(
@@ -436,6 +441,7 @@ CASES = [
     "bench_speculator_missing",
     "serve_exact_not_invariant",
     "serve_speculator_missing",
+    "serve_speculator_mtp_missing",
     "run_max_tokens_0",
     "out_is_a_file",
     "unknown_scheme",

@@ -29,6 +29,7 @@ from onboard.recipes import Gate, Recipe
 from onboard.workspace import MANIFEST
 
 STAGE_FILES = {
+    "quantize": "quantize/selection.json",
     "eval": "eval/kl.json",
     "speculator": "speculator/metrics.json",
     "adapt": "adapt/parity.json",
@@ -38,6 +39,9 @@ STAGE_FILES = {
 # Comfortably inside the default Gate(); the eval and adapt top-1 agreements differ so a check
 # reading the wrong stage's file shows up as a wrong value.
 PASSING: dict[str, dict[str, Any]] = {
+    # `tensors` 0: the gate has no artifact files to look for them in (a run with MTP layers is in
+    # tests/quantize/test_mtp_carry.py)
+    "quantize": {"effective_bits": 4.5, "mtp": {"layers": 1, "tensors": 0, "kept": True}},
     "eval": {"mean_kld": 0.05, "top1_agreement": 0.93, "num_tokens": 4096, "p99_kld": 0.4},
     "speculator": {"acceptance_length": 2.5, "num_draft_tokens": 3},
     "adapt": {
@@ -90,6 +94,7 @@ PASSING_W4A4: dict[str, dict[str, Any]] = {
 # "excess" checks read `key - reference_key`, "worst" checks `max(key, fast.key)` (exact's and fast
 # numerics' value); "max" passes at value <= threshold, "min" at >=.
 SPEC: dict[str, tuple[str, str, str, str]] = {
+    "mtp_kept": ("quantize", "mtp.kept", "require_mtp_kept", "bool"),
     "mean_kld": ("eval", "mean_kld", "max_mean_kld", "max"),
     "top1_agreement": ("eval", "top1_agreement", "min_top1_agreement", "min"),
     "acceptance_length": ("speculator", "acceptance_length", "min_acceptance_length", "min"),
@@ -264,6 +269,7 @@ def test_passing_run(tmp_path, rule):
 def test_each_check_reads_its_own_threshold(tmp_path):
     """Every threshold distinct, so a check compared against another's threshold shows up."""
     distinct = Gate(
+        require_mtp_kept=True,
         max_mean_kld=0.41,
         min_top1_agreement=0.52,
         min_acceptance_length=1.13,
@@ -282,7 +288,7 @@ def test_each_check_reads_its_own_threshold(tmp_path):
         max_parity_linear_ratio=2.1,
     )
     values = distinct.model_dump()
-    assert len({v for v in values.values() if not isinstance(v, bool)}) == len(values) - 2
+    assert len({v for v in values.values() if not isinstance(v, bool)}) == len(values) - 3
     seen = set()
     for rule in ("near_tie", "layerwise_distribution"):
         result = evaluate_gate(make_run(tmp_path / rule, passing_metrics(rule)), distinct)

@@ -217,8 +217,8 @@ def build_tokenizer(out_dir: Path) -> transformers.PreTrainedTokenizerFast:
 # ---------------------------------------------------------------------------------------------
 
 
-def _config(arch: str) -> transformers.PretrainedConfig:
-    common = dict(
+def _common_kwargs() -> dict:
+    return dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=HIDDEN_SIZE,
         intermediate_size=INTERMEDIATE_SIZE,
@@ -232,6 +232,10 @@ def _config(arch: str) -> transformers.PretrainedConfig:
         eos_token_id=EOS_TOKEN_ID,
         pad_token_id=PAD_TOKEN_ID,
     )
+
+
+def _config(arch: str) -> transformers.PretrainedConfig:
+    common = _common_kwargs()
     if arch == "llama":
         return transformers.LlamaConfig(**common, tie_word_embeddings=False)
     if arch == "qwen3":
@@ -252,13 +256,13 @@ def _config(arch: str) -> transformers.PretrainedConfig:
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 
-def _deepseek_config(arch: str, common: dict) -> transformers.PretrainedConfig:
+def _deepseek_config(arch: str, common: dict, num_layers: int = DEEPSEEK_LAYERS) -> transformers.PretrainedConfig:
     """deepseek_v3 without q_lora_rank (the V2-Lite form) and with YaRN; deepseek_v32 with
     q_lora_rank, YaRN and the DSA indexer; glm_moe_dsa with the indexer on layers 0 and 2 and
     layer 1 reusing layer 0's selection ("shared")."""
     mla = {k: v for k, v in common.items() if k not in ("head_dim", "num_key_value_heads")}
     mla.update(
-        num_hidden_layers=DEEPSEEK_LAYERS,
+        num_hidden_layers=num_layers,
         num_key_value_heads=NUM_ATTENTION_HEADS,
         tie_word_embeddings=False,
         kv_lora_rank=KV_LORA_RANK,
@@ -283,12 +287,16 @@ def _deepseek_config(arch: str, common: dict) -> transformers.PretrainedConfig:
     mla.update(index_topk=INDEX_TOPK, index_head_dim=INDEX_HEAD_DIM, index_n_heads=INDEX_N_HEADS)
     if arch == "deepseek_v32":
         return transformers.DeepseekV32Config(**mla, rope_parameters=dict(YARN_ROPE))
-    return transformers.GlmMoeDsaConfig(**mla, indexer_types=["full", "shared", "full"])
+    # layers 0 and 2 run the indexer, 1 reuses 0's; longer stacks alternate, ending on a full layer
+    indexer_types = ["full" if i % 2 == 0 or i == num_layers - 1 else "shared" for i in range(num_layers)]
+    return transformers.GlmMoeDsaConfig(**mla, indexer_types=indexer_types)
 
 
-def _make_model(arch: str, seed: int) -> transformers.PreTrainedModel:
+def _make_model(
+    arch: str, seed: int, config: transformers.PretrainedConfig | None = None
+) -> transformers.PreTrainedModel:
     """Build the model in float32 from a fixed seed, re-initialise, and cast to bfloat16."""
-    config = _config(arch)
+    config = config or _config(arch)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Re-draw every weight from our own generator, in parameter-name order, so the values do not
@@ -323,6 +331,62 @@ def build_model(out_dir: Path, arch: str, seed: int = 0) -> Path:
     build_tokenizer(out_dir)
     if not (out_dir / "model.safetensors").is_file():
         raise RuntimeError(f"save_pretrained did not write {out_dir / 'model.safetensors'}")
+    return out_dir
+
+
+# The real releases' layer counts: transformers' MtpModel finds the MTP layers by their real index
+# (its `_keys_to_ignore_on_load_unexpected` pattern), so the main stacks are this deep.
+MTP_MAIN_LAYERS = {"deepseek_v3": 61, "deepseek_v32": 61, "glm_moe_dsa": 78}
+
+
+def build_mtp_model(
+    out_dir: Path, arch: str, seed: int = 0, residual_scale: float = 1.0, release_depth: bool = False
+) -> Path:
+    """A tiny `arch` checkpoint with one MTP layer stored as DeepSeek and GLM release it:
+    `model.layers.{N}.*` after the N main layers, the decoder block (MoE) plus `enorm`, `hnorm`,
+    `eh_proj`, `shared_head.norm` and copies of the embedding and the head; the config declares
+    `num_nextn_predict_layers: 1`.  Built as an N+1-layer model whose last layer becomes the block.
+    N is DEEPSEEK_LAYERS, or with `release_depth` the release's (61, or 78 for GLM-5), which
+    transformers' own `MtpModel.from_pretrained` needs: it finds the layers by that number.
+
+    `residual_scale` multiplies every main layer's attention and MLP output projections: at 0 the
+    next token is a fixed function of the current one and greedy text walks a short cycle that an
+    MTP layer can learn (its random one does not know it); small values keep it mostly so."""
+    if arch not in MTP_MAIN_LAYERS:
+        raise ValueError(f"no MTP layout for {arch!r}; expected one of {sorted(MTP_MAIN_LAYERS)}")
+    from safetensors.torch import load_file
+
+    main = MTP_MAIN_LAYERS[arch] if release_depth else DEEPSEEK_LAYERS
+    config = _deepseek_config(arch, _common_kwargs(), num_layers=main + 1)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _make_model(arch, seed, config).save_pretrained(out_dir)
+    build_tokenizer(out_dir)
+    weights = load_file(out_dir / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed + 1)
+    prefix = f"model.layers.{main}."
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        weights[f"{prefix}{norm}.weight"] = torch.ones(HIDDEN_SIZE, dtype=torch.bfloat16)
+    eh_proj = torch.randn(HIDDEN_SIZE, 2 * HIDDEN_SIZE, generator=gen) * LINEAR_STD
+    weights[f"{prefix}eh_proj.weight"] = eh_proj.to(torch.bfloat16)
+    weights[f"{prefix}embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    weights[f"{prefix}shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    if residual_scale != 1.0:
+        for name in list(weights):
+            layer, _, rest = name.removeprefix("model.layers.").partition(".")
+            outputs = rest == "self_attn.o_proj.weight" or (
+                rest.startswith("mlp.") and rest.endswith("down_proj.weight")
+            )
+            if name.startswith("model.layers.") and int(layer) < main and outputs:
+                weights[name] = (weights[name].float() * residual_scale).to(weights[name].dtype)
+    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((out_dir / "config.json").read_text())
+    raw["num_hidden_layers"] = main
+    for key in ("mlp_layer_types", "layer_types", "indexer_types"):
+        if raw.get(key):
+            raw[key] = raw[key][:main]
+    raw["num_nextn_predict_layers"] = 1
+    (out_dir / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     return out_dir
 
 

@@ -6,11 +6,18 @@ from pathlib import Path
 
 from onboard.errors import OnboardError
 
+MTP = "mtp"  # `--speculator mtp`: the checkpoint's own multi-token-prediction layers
+
 
 @dataclass(frozen=True)
 class Speculator:
-    path: Path
+    path: Path | None  # the EAGLE-3 export; None for MTP (its layers are in the checkpoint)
     num_tokens: int
+    method: str = "eagle3"  # vLLM's speculative `method`: "eagle3" | "mtp"
+
+
+def is_mtp(given: Path | str | None) -> bool:
+    return given is not None and str(given) == MTP
 
 
 def read_config(model_dir: Path) -> dict:
@@ -69,8 +76,17 @@ def speculative_tokens(path: Path) -> int:
 
 
 def speculator_of(model_dir: Path, given: Path | None, num_tokens: int | None) -> Speculator | None:
-    """The given export, else the artifact's own `speculator/` (what `onboard speculator` writes)."""
+    """The given export (or `mtp`), else the artifact's own `speculator/` (what `onboard speculator`
+    writes), else its MTP layers when it has them."""
+    from onboard.models.mtp import declared_mtp_layers, mtp_entries
+
+    config = read_config(model_dir)
+    has_mtp = bool(declared_mtp_layers(config)) and bool(mtp_entries(model_dir, config))
+    if is_mtp(given) and not has_mtp:
+        raise OnboardError(f"--speculator mtp: {model_dir} has no MTP layers (num_nextn_predict_layers and tensors)")
     path = given if given is not None else model_dir / "speculator"
+    if is_mtp(given) or (given is None and has_mtp and not (path / "config.json").is_file()):
+        return Speculator(None, num_tokens if num_tokens is not None else declared_mtp_layers(config), MTP)
     if given is None and not (path / "config.json").is_file():
         if num_tokens is not None:
             raise OnboardError(f"--num-speculative-tokens: {model_dir} has no speculator/ (give --speculator DIR)")

@@ -58,14 +58,15 @@ def command(dep: Deployment) -> list[str]:
         argv += ["--api-key", dep.api_key]
     spec = dep.speculator
     if spec is not None and dep.engine == "vllm":
-        config = {"method": "eagle3", "model": str(spec.path), "num_speculative_tokens": spec.num_tokens}
-        argv += ["--speculative-config", json.dumps(config)]
+        config = {"method": spec.method, **({"model": str(spec.path)} if spec.path else {})}
+        argv += ["--speculative-config", json.dumps({**config, "num_speculative_tokens": spec.num_tokens})]
     elif spec is not None:
+        # SGLang runs a checkpoint's MTP (NextN) layers as its EAGLE algorithm, drafting from the model itself.
+        if spec.path is None:
+            argv += ["--speculative-algorithm", "EAGLE"]
+        else:
+            argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(spec.path)]
         argv += [
-            "--speculative-algorithm",
-            "EAGLE3",
-            "--speculative-draft-model-path",
-            str(spec.path),
             "--speculative-num-steps",
             str(spec.num_tokens),
             "--speculative-eagle-topk",
@@ -91,7 +92,8 @@ def script_text(dep: Deployment, argv: list[str]) -> str:
     lines = ["#!/bin/sh", f"# written by `onboard serve --engine {dep.engine}`: {dep.model_dir.resolve()}"]
     lines.append(f"# quantization: {dep.quantization or 'none (unquantized checkpoint)'}")
     if dep.speculator is not None:
-        lines.append(f"# speculator: EAGLE-3, {dep.speculator.num_tokens} tokens per step")
+        kind = "the checkpoint's MTP layers" if dep.speculator.method == "mtp" else "EAGLE-3"
+        lines.append(f"# speculator: {kind}, {dep.speculator.num_tokens} tokens per step")
     if dep.api_key is not None:
         lines.append(f': "${{{API_KEY_ENV}:?set {API_KEY_ENV} to the API key}}"')
     lines.append(f"exec {shell_line(argv)}")

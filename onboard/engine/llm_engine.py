@@ -43,7 +43,8 @@ class LLMEngine:
         self.speculator: Speculator | None = None
 
     def set_speculator(self, draft, num_speculative_tokens: int) -> None:
-        """Decode with an EAGLE-3 draft from now on (`draft` None: without one), run in the model's dtype."""
+        """Decode with a draft from now on (`draft` None: without one), run in the model's dtype: an
+        EAGLE-3 head or the checkpoint's own MTP layers (`onboard.speculator.mtp_draft`)."""
         if self.has_unfinished():
             raise RuntimeError("the speculator can only change while no request runs")
         if draft is not None:
@@ -54,12 +55,11 @@ class LLMEngine:
                     f"the speculator was trained for a model with vocabulary {vocab} and hidden size {hidden}; "
                     f"this one has {self.runner.vocab_size} and {text.hidden_size}"
                 )
-            if max(draft.aux_layer_ids) >= text.num_hidden_layers:
+            if max(draft.aux_layer_ids) > text.num_hidden_layers:  # N: the final-normed state
                 raise ValueError(
                     f"the speculator reads layers {draft.aux_layer_ids}; the model has {text.num_hidden_layers}"
                 )
-        dtype = self.runner.model.dtype
-        self.speculator = Speculator(draft, num_speculative_tokens, dtype) if draft is not None else None
+        self.speculator = Speculator(draft, num_speculative_tokens, self.dtype) if draft is not None else None
 
     # -- what stages may read -----------------------------------------------------------------
 
@@ -67,6 +67,11 @@ class LLMEngine:
     def hf_config(self):
         """The served checkpoint's transformers config."""
         return self.runner.hf_config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the served model computes in."""
+        return self.runner.model.dtype
 
     @property
     def vocab_size(self) -> int:

@@ -1,4 +1,6 @@
-"""Speculative decoding with an EAGLE-3 draft, inside the engine's scheduled steps.
+"""Speculative decoding with a draft (EAGLE-3, or the checkpoint's own MTP layers), inside the
+engine's scheduled steps.  A draft reads the target's states at `aux_layer_ids` (`project` fuses
+them), keeps its keys in its own cache (`new_cache`) and proposes from `step`.
 
 Per running sequence the draft keeps its own small KV cache, fed after every step with the
 target's auxiliary states at the positions the step computed (prefill chunks and verified
@@ -96,7 +98,7 @@ class Speculator:
         whose next tokens are known: run the draft over them (row i: state at i, token at i+1)."""
         state = self.states.get(seq.seq_id)
         if state is None or state.fed != first:  # new, preempted, or past a prefix-cache hit
-            state = self.states[seq.seq_id] = DraftState(DynamicCache(), first, first)
+            state = self.states[seq.seq_id] = DraftState(self.draft.new_cache(), first, first)
         else:
             surplus = state.cache.get_seq_length() - (state.fed - state.start)
             if surplus > 0:  # rows of the draft's own proposals

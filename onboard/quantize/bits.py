@@ -4,26 +4,15 @@ Counting what is on disk (packed values, block scales, global scales) rather tha
 format's nominal width keeps the number honest for every format and every mixture of them.
 """
 
-import json
-import struct
 from collections import defaultdict
 from pathlib import Path
 
+from onboard.models.headers import safetensors_entries
 from onboard.quantize.patterns import matches
 from onboard.recipes import NEVER_QUANTIZE
 
 _BITS = {"U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "BF16": 16, "F16": 16, "F32": 32, "I32": 32, "I64": 64}
 _WEIGHT_PARTS = ("weight", "weight_packed", "weight_scale", "weight_global_scale", "weight_zero_point")
-
-
-def _tensor_headers(checkpoint: Path) -> dict[str, tuple[str, list[int]]]:
-    headers = {}
-    for file in sorted(checkpoint.glob("*.safetensors")):
-        with open(file, "rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(length))
-        headers.update({k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"})
-    return headers
 
 
 def _numel(shape: list[int]) -> int:
@@ -45,9 +34,9 @@ def _format(parts: dict[str, tuple[str, list[int]]]) -> str:
 def layer_bits(checkpoint: Path) -> dict[str, dict]:
     """Per weight-bearing module (2-D or fused 3-D weights): format, bits per weight, weights."""
     modules: dict[str, dict[str, tuple[str, list[int]]]] = defaultdict(dict)
-    for name, (dtype, shape) in _tensor_headers(checkpoint).items():
+    for name, entry in safetensors_entries(checkpoint).items():
         module, _, part = name.rpartition(".")
-        modules[module][part] = (dtype, shape)
+        modules[module][part] = (entry.dtype, list(entry.shape))
     layers = {}
     for module, parts in sorted(modules.items()):
         if "weight_packed" in parts:

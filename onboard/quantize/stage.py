@@ -33,6 +33,7 @@ from onboard.quantize.calibration import calibration_dataset
 from onboard.quantize.distill import distill_scales, distill_windows
 from onboard.quantize.method_choice import choose_method
 from onboard.quantize.modifiers import needs_calibration, offloaded_copy
+from onboard.quantize.mtp_carry import carry_mtp
 from onboard.quantize.offloaded import conversion_mappings_kept, is_offloaded, load_offloaded
 from onboard.quantize.schemes import LADDERS, SCHEMES
 from onboard.recipes import Quantize
@@ -210,8 +211,9 @@ def run_quantize(
         if auto and not in_place:
             auto["artifact_kld"] = artifact_kld(selection.replay, artifact)
         # llmcompressor leaves the recipe it applied beside the weights; keep it, it is data.
-        layers = layer_bits(artifact)
+        layers = layer_bits(artifact)  # the main model's layers: before the MTP layers join them
         bits = effective_bits(layers)
+        mtp = carry_mtp(checkpoint.path, artifact) if (artifact / "config.json").is_file() else {}
         selection_record = {
             "scheme": settings.scheme,
             "method": settings.method.name,
@@ -224,6 +226,7 @@ def run_quantize(
             "layers": {k: {**v, "quantizable": is_quantizable(k)} for k, v in layers.items()},
             "pinned": pinned,
             "search": [],
+            "mtp": mtp,
             **auto,
         }
         atomic.write_json(stage.path("quantize/selection.json"), selection_record)
@@ -236,6 +239,7 @@ def run_quantize(
             "bytes_reference": _dir_bytes(checkpoint.path),
             "bytes_artifact": _dir_bytes(artifact),
             "quantized_layers": sum(1 for v in layers.values() if v["format"] not in ("bf16", "f16", "f32")),
+            **({"mtp_tensors_kept": mtp["tensors"]} if mtp.get("tensors") else {}),
             **({"search_kld": auto["final"]["measured_kld"], "bits_budget": settings.bits_budget} if auto else {}),
             "memory_path": plan.path,
         }

@@ -46,6 +46,15 @@ def training_charts(train: dict[str, Any]) -> list[Any]:
     return charts
 
 
+MTP_ROWS = (("BF16 source", "bf16"), ("quantized artifact", "artifact"), ("artifact, fine-tuned", "retrained"))
+
+
+def mtp_rows(metrics: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """metrics.json's `mtp` entry (artifacts that keep MTP layers), one row per target measured."""
+    mtp = as_dict(metrics.get("mtp"))
+    return [(label, as_dict(mtp[key])) for label, key in MTP_ROWS if isinstance(mtp.get(key), dict)]
+
+
 def build(run: Run) -> dict[str, Any]:
     metrics = run.json("speculator/metrics.json")
     train = run.json("speculator/train.json") or {}
@@ -58,6 +67,7 @@ def build(run: Run) -> dict[str, Any]:
         metrics=data,
         by_traffic=by_traffic,
         acceptance_chart=acceptance_chart(data, by_traffic),
+        mtp_rows=mtp_rows(data),
         training_charts=training_charts(train),
         settings=as_dict(train.get("settings")),
     )

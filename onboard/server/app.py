@@ -289,8 +289,8 @@ def serve(
     speculator: Path | None = None,
     num_speculative_tokens: int | None = None,
 ) -> None:
-    """Load the engine (with an EAGLE-3 draft when `speculator` is given) and serve it with
-    uvicorn until interrupted."""
+    """Load the engine (with an EAGLE-3 draft, or for `mtp` its own MTP layers, when `speculator` is
+    given) and serve it with uvicorn until interrupted."""
     from dataclasses import replace
 
     import uvicorn
@@ -299,11 +299,11 @@ def serve(
 
     engine = LLMEngine(model_dir, replace(engine_config or EngineConfig(), device=device))
     if speculator is not None:
-        from onboard.speculator.export import load_speculator, speculative_tokens
+        from onboard.speculator.drafts import load_draft
 
-        draft = load_speculator(speculator).to(device)
+        draft, default_k = load_draft(speculator, model_dir, engine)
         try:
-            engine.set_speculator(draft, num_speculative_tokens or speculative_tokens(speculator))
+            engine.set_speculator(draft.to(device), num_speculative_tokens or default_k)
         except ValueError as err:
             raise OnboardError(f"--speculator {speculator}: {err}") from None
     uvicorn.run(build_app(engine, model_name, api_key=api_key), host=host, port=port, log_level="info")

@@ -126,6 +126,9 @@ class Eagle3Draft(torch.nn.Module):
         self.t2d.zero_()
         self.t2d[ids] = True
 
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache()
+
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """The fused target state: `fc` over the (per-layer normed) concatenated auxiliary states."""
         if self.fc_norm is not None:
@@ -155,24 +158,31 @@ class Eagle3Draft(torch.nn.Module):
         valid: torch.Tensor,
         steps: int,
     ) -> list[torch.Tensor]:
-        """Training-time test over padded sequences: `aux` [B, T, A*H] target states at positions
-        0..T-1, `input_ids` [B, T] the tokens at 1..T, `valid` [B, T] key padding.  Step s feeds
-        the tokens s positions further on and the previous step's own output state; returns the
-        logits of each step ([B, T, draft_vocab]; row i of step s predicts token i+2+s)."""
-        batch, length = input_ids.shape
-        positions = torch.arange(1, length + 1, device=aux.device).expand(batch, length)
-        causal = torch.ones(length, length, dtype=torch.bool, device=aux.device).tril()
-        diagonal = torch.eye(length, dtype=torch.bool, device=aux.device)
-        keys_valid = valid[:, None, None, :]
-        hidden = self.project(aux)
-        cache = DynamicCache()
-        logits = []
-        blocks = [causal]
-        for s in range(steps):
-            shifted = torch.cat([input_ids[:, s:], input_ids.new_zeros(batch, s)], dim=1)
-            mask = torch.cat(blocks, dim=1)[None, None] & keys_valid.repeat(1, 1, 1, len(blocks))
-            out = self.step(shifted, hidden, positions + s, mask, cache)
-            logits.append(out.logits)
-            hidden = out.hidden
-            blocks.append(diagonal)
-        return logits
+        return ttt_unroll(self, aux, input_ids, valid, steps)
+
+
+def ttt_unroll(
+    draft, aux: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, steps: int
+) -> list[torch.Tensor]:
+    """Training-time test over padded sequences, for any draft with `project`, `step` and
+    `new_cache`: `aux` [B, T, A*H] target states at positions 0..T-1, `input_ids` [B, T] the tokens
+    at 1..T, `valid` [B, T] key padding.  Step s feeds the tokens s positions further on and the
+    previous step's own output state; returns the logits of each step ([B, T, draft_vocab]; row i
+    of step s predicts token i+2+s)."""
+    batch, length = input_ids.shape
+    positions = torch.arange(1, length + 1, device=aux.device).expand(batch, length)
+    causal = torch.ones(length, length, dtype=torch.bool, device=aux.device).tril()
+    diagonal = torch.eye(length, dtype=torch.bool, device=aux.device)
+    keys_valid = valid[:, None, None, :]
+    hidden = draft.project(aux)
+    cache = draft.new_cache()
+    logits = []
+    blocks = [causal]
+    for s in range(steps):
+        shifted = torch.cat([input_ids[:, s:], input_ids.new_zeros(batch, s)], dim=1)
+        mask = torch.cat(blocks, dim=1)[None, None] & keys_valid.repeat(1, 1, 1, len(blocks))
+        out = draft.step(shifted, hidden, positions + s, mask, cache)
+        logits.append(out.logits)
+        hidden = out.hidden
+        blocks.append(diagonal)
+    return logits

@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.table import Table
 
 from onboard.adapt.parity import compare_greedy
@@ -12,7 +13,6 @@ from onboard.data.builtin import builtin_records
 from onboard.data.load import load_records
 from onboard.data.prompts import ChatPrompt, chat_prompts
 from onboard.data.record import Record
-from onboard.speculator.draft import Eagle3Draft
 
 TOP = 5  # top log-probabilities per token: what the near-tie rule compares
 
@@ -39,7 +39,7 @@ def _looping(token_ids: list[int], n: int = 8, repeats: int = 3) -> bool:
     return False
 
 
-def measure_acceptance(engine, draft: Eagle3Draft, k: int, prompts: list[ChatPrompt], max_tokens: int):
+def measure_acceptance(engine, draft: torch.nn.Module, k: int, prompts: list[ChatPrompt], max_tokens: int):
     """Greedy, concurrency 1, in the engine: acceptance per traffic type (and on looping and
     non-looping outputs), and wall-clock speed-up against the same engine without the draft on
     the same prompts."""
@@ -124,20 +124,19 @@ def run_spec_bench(
     device: str = "cpu",
     numerics: str = "fast",
 ) -> dict[str, Any]:
-    """`onboard bench --speculator`: the run's draft (and any `others`) on the same held-out prompts,
-    in the numerics that serve."""
+    """`onboard bench --speculator`: the run's draft (an export, or `mtp`: the artifact's MTP layers)
+    and any `others` on the same held-out prompts, in the numerics that serve."""
     from onboard.console import console
     from onboard.engine.config import EngineConfig
     from onboard.engine.llm_engine import LLMEngine
-    from onboard.speculator.export import load_speculator, speculative_tokens
+    from onboard.speculator.drafts import load_draft
 
     engine = LLMEngine(artifact, EngineConfig(device=device, numerics=numerics, enable_prefix_caching=False))
     records = load_records(data) if data is not None else None
     prompts = held_out_prompts(engine.tokenizer, ["chat", "code", "math"], records, num_prompts)
     results = {}
     for path in [draft_dir, *others]:
-        draft = load_speculator(path)
-        k = speculative_tokens(path)
+        draft, k = load_draft(path, artifact, engine)
         console.print(f"bench: speculator {path} (K = {k}) on {len(prompts)} prompts ...")
         results[str(path)] = measure_acceptance(engine, draft.float(), k, prompts, max_tokens)
         console.print(acceptance_table(results[str(path)], title=str(path)))

@@ -12,6 +12,7 @@ starts from the checkpoint's tensors, and the acceptance is measured on the depl
 `endpoint`, or recorded as not measured with the command that measures it.
 """
 
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -36,6 +37,7 @@ from onboard.endpoint import EndpointSpec
 from onboard.errors import OnboardError
 from onboard.hashing import code_version, hash_json
 from onboard.recipes import SpeculatorSettings
+from onboard.speculator import parallel
 from onboard.speculator.capture import PACK_TOKENS, capture_shards
 from onboard.speculator.data import (
     TRAFFIC,
@@ -49,6 +51,17 @@ from onboard.speculator.data import (
 from onboard.speculator.draft import Eagle3Draft
 from onboard.speculator.export import export_speculator
 from onboard.speculator.measure import acceptance_table, held_out_prompts, measure_acceptance
+from onboard.speculator.mtp_stage import (
+    after_training,
+    engine_mtp,
+    has_mtp,
+    measure_mtp,
+    mtp_outputs,
+    mtp_table,
+    summary,
+    trainable,
+    write_mtp_layers,
+)
 from onboard.speculator.streamed_stage import streamed_body, streamed_sequences
 from onboard.speculator.target import engine_draft
 from onboard.speculator.teacher import (
@@ -61,6 +74,7 @@ from onboard.speculator.work import captured_data, data_metrics, finish, train_c
 from onboard.workspace import RunDir, Stage
 
 DATA_SETTINGS = {  # the settings the captured data depends on
+    "draft",  # which states: EAGLE-3's auxiliary layers or the final ones MTP reads
     "traffic",
     "num_prompts",
     "max_prompt_tokens",
@@ -202,6 +216,7 @@ def run_speculator(
     `numerics` (`EngineConfig.numerics`): the engine's, for generation, capture and measurement.
     Over `max_memory` (bytes; None: the default budget), the data comes from a streamed pass (in
     exact numerics: transformers' layers) and `endpoint` measures; without one, nothing does."""
+    parallel.init()  # under torchrun: every process trains, the main one alone does the rest
     quantize = run.require("quantize")
     answers = resolve_data_files(settings.teacher_forced_data)  # a missing file fails before any work
     budget = resolve_budget(max_memory)
@@ -224,6 +239,15 @@ def run_speculator(
             f"(onboard speculator {run.root} --endpoint URL)"
         )
     streamed = plan.path == "streamed"
+    if settings.draft == "mtp":
+        if not has_mtp(run.artifact):
+            raise OnboardError(
+                f"--draft mtp: {run.artifact} has no MTP layers (families without them train EAGLE-3, the default)"
+            )
+        if streamed:
+            raise OnboardError(
+                "--draft mtp fine-tunes in memory; over the memory budget only EAGLE-3 trains (streamed)"
+            )
     if streamed:
         numerics = "exact"  # transformers' layers, as exact numerics' engine computes them
     answers_key = data_files_key(answers)
@@ -243,7 +267,14 @@ def run_speculator(
         "memory_path": plan.path,
         "endpoint": endpoint.base if streamed and endpoint else None,  # in memory, the engine measures
     }
-    outputs = ["speculator", "artifact/speculator"]
+    # --draft mtp rewrites the artifact's MTP shards (as they were unless the fine-tuned layers accept more)
+    outputs = ["speculator", *(mtp_outputs(run.artifact) if settings.draft == "mtp" else ["artifact/speculator"])]
+    fresh = parallel.from_main(lambda: run.cached("speculator", inputs, outputs) is None)
+    if not parallel.is_main():  # trains alongside the main process; writes nothing of the run
+        if not fresh:
+            return {}
+        with tempfile.TemporaryDirectory(prefix=f"onboard-rank{parallel.rank()}-") as scratch:
+            return body(Stage(name="speculator", staging=Path(scratch), run=run))
     entry = run.run_stage("speculator", inputs, outputs, body)
     atomic.remove(run.root / "speculator-work")
     return entry
@@ -268,7 +299,8 @@ def _in_memory_body(
         engine = LLMEngine(run.artifact, config)
         tokenizer = engine.tokenizer
         layers = engine.hf_config.get_text_config().num_hidden_layers
-        aux_layers = settings.aux_layers or default_aux_layers(layers)
+        mtp_draft = settings.draft == "mtp"
+        aux_layers = [layers] if mtp_draft else settings.aux_layers or default_aux_layers(layers)
         started = time.perf_counter()
         # With DATA, its last rows are held out and measured on; without, the eval split.
         train_records, eval_records = split_data(data, settings.eval_prompts) if data else (None, None)
@@ -292,30 +324,56 @@ def _in_memory_body(
                 sequences += teacher_forced_answers(tokenizer, answers, limit, max_prompt, settings.max_seq_len)
             return capture_shards(source, sequences, aux_layers, out_dir)
 
-        work_data, index = captured_data(work, data_key, capture)
+        with parallel.main_first("speculator: capturing the data"):  # the others then reuse it
+            work_data, index = captured_data(work, data_key, capture)
         data_seconds = time.perf_counter() - started
-
-        vocab = draft_vocabulary(work_data, settings.draft_vocab_size, engine.vocab_size)
-        draft = build_draft(engine, vocab, aux_layers, settings.init_from_last_layer)
-        head = engine.target_tensors()["lm_head"]
-        history, train, train_seconds = train_captured(draft, work, head, settings, data_key)
-        k = settings.num_speculative_tokens
-        export_speculator(draft, stage.path("artifact/speculator"), run.artifact.resolve(), k)
 
         traffic = TRAFFIC[settings.traffic]
         held_out = held_out_prompts(
             tokenizer, traffic, eval_records or None, settings.eval_prompts, settings.max_prompt_tokens
         )
-        metrics = measure_acceptance(engine, draft, k, held_out, settings.eval_max_tokens)
+        k, max_tokens = settings.num_speculative_tokens, settings.eval_max_tokens
+        head = engine.target_tensors()["lm_head"]
+        mtp: dict[str, Any] | None = None
+        if mtp_draft:
+            vocab = torch.arange(engine.vocab_size)
+            if parallel.is_main():
+                mtp, shipped = measure_mtp(engine, run, config, held_out, k, max_tokens)
+            draft = trainable(engine_mtp(engine, run.artifact))
+        else:
+            vocab = draft_vocabulary(work_data, settings.draft_vocab_size, engine.vocab_size)
+            draft = build_draft(engine, vocab, aux_layers, settings.init_from_last_layer)
+        history, train, train_seconds = train_captured(draft, work, head, settings, data_key)
+        if not parallel.is_main():
+            return {}
+        metrics = measure_acceptance(engine, draft, k, held_out, max_tokens)
+        if mtp_draft:
+            kept = after_training(shipped, metrics)
+            write_mtp_layers(draft, run.artifact, stage, kept)
+            mtp.update(retrained=summary(metrics), written_back=kept)
+            console.print(
+                f"speculator: MTP layers fine-tuned on the artifact's states: acceptance "
+                f"{shipped['acceptance_length']:.2f} -> {metrics['acceptance_length']:.2f}"
+                + (" (written back into the artifact)" if kept else " (not kept: the shipped layers accept as much)")
+            )
+            metrics = metrics if kept else shipped
+        else:
+            export_speculator(draft, stage.path("artifact/speculator"), run.artifact.resolve(), k)
+            if has_mtp(run.artifact):
+                mtp, _ = measure_mtp(engine, run, config, held_out, k, max_tokens)
         metrics.update(
+            draft=settings.draft,
             data_seconds=round(data_seconds, 1),
             train_seconds=round(train_seconds, 1),
             **data_metrics(index, aux_layers, vocab, config.numerics),
             memory_path="in-memory",
             measured_on="engine",
+            **({"mtp": mtp} if mtp else {}),
         )
         finish(stage, metrics, history, train, work)
         console.print(acceptance_table(metrics))
+        if mtp:
+            console.print(mtp_table(mtp))
         return {k: metrics[k] for k in ("acceptance_length", "speedup", "num_speculative_tokens")}
 
     return body

@@ -19,6 +19,7 @@ from onboard.console import console
 from onboard.endpoint import EndpointSpec
 from onboard.models.streamed import StreamedModel
 from onboard.recipes import SpeculatorSettings
+from onboard.speculator import parallel
 from onboard.speculator.data import TRAFFIC, TrainingSequence, default_aux_layers, draft_vocabulary
 from onboard.speculator.export import export_speculator
 from onboard.speculator.streamed import capture_streamed
@@ -79,7 +80,8 @@ def streamed_body(
         def capture(out_dir: Path) -> dict:
             return capture_streamed(source, sequences, aux_layers, out_dir)
 
-        work_data, index = captured_data(work, data_key, capture)
+        with parallel.main_first("speculator: capturing the data"):  # the others then reuse it
+            work_data, index = captured_data(work, data_key, capture)
         data_seconds = time.perf_counter() - started
 
         tensors = checkpoint_tensors(target)
@@ -87,6 +89,8 @@ def streamed_body(
         draft = checkpoint_draft(target, tensors, vocab, aux_layers, settings.init_from_last_layer)
         del tensors["embed_tokens"]  # the draft holds its own copy
         history, train, train_seconds = train_captured(draft, work, tensors["lm_head"], settings, data_key)
+        if not parallel.is_main():  # under torchrun: the main process alone exports and measures
+            return {}
         k = settings.num_speculative_tokens
         export_speculator(draft, stage.path("artifact/speculator"), run.artifact.resolve(), k)
 

@@ -4,14 +4,17 @@ Loss at step s (weight `decay**s`): KL(target || draft) over the draft vocabular
 target's distribution is its own lm_head on its captured final state, restricted to the draft
 vocabulary and renormalised.  Only positions whose predicted token is part of a response (or of
 teacher-forced text) count.  AdamW, linear warm-up then cosine decay (transformers' schedule).
-Written against `accelerate`: `accelerate launch` shards the batches over processes unchanged.
+Written against `accelerate`: under `torchrun` or `accelerate launch` every process takes the
+global batch one process would and trains on its share of it (`parallel.py`), so N processes
+give one process's loss curve and weights up to rounding.
 Resumable at epoch boundaries from `checkpoint/` (safetensors + JSON, no pickle).
 """
 
 import itertools
 import json
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from onboard import atomic
 from onboard.console import console
+from onboard.speculator import parallel
 from onboard.speculator.data import iter_sequences
 from onboard.speculator.draft import Eagle3Draft
 
@@ -83,38 +87,60 @@ def collate(examples: list[Example]) -> dict[str, torch.Tensor]:
     }
 
 
+def trained_counts(batch: dict[str, torch.Tensor], steps: int) -> torch.Tensor:
+    """[steps] the trained positions of each training-time-test step (step s: tokens s further on)."""
+    valid, trained = batch["valid"], batch["trained"]
+    return torch.stack([(valid[:, s:] & trained[:, s:]).sum() for s in range(steps)]).float()
+
+
 def ttt_loss(
-    draft: Eagle3Draft, batch: dict[str, torch.Tensor], head: torch.Tensor, settings: TrainSettings
-) -> tuple[torch.Tensor, list[float], float]:
-    """Loss, per-step conditional accuracy and the implied acceptance length of one batch."""
-    logits = draft.unroll(batch["aux"], batch["input_ids"], batch["valid"], settings.ttt_steps)
+    unroll: Callable[..., list[torch.Tensor]],
+    batch: dict[str, torch.Tensor],
+    head: torch.Tensor,
+    settings: TrainSettings,
+    counts: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This process's loss of its share of a batch, each step's KL normalised by `counts` (the
+    batch's trained positions per step over all processes, `parallel.ddp_mean`), and per step its
+    correct predictions and correct chains (every step up to this one right) on trained positions.
+    `unroll`: `Eagle3Draft.unroll` or what wraps it (DDP)."""
+    logits = unroll(batch["aux"], batch["input_ids"], batch["valid"], settings.ttt_steps)
     with torch.no_grad():
         target_logp = (batch["final"] @ head.T).log_softmax(-1)  # [B, T, Vd]
     loss = torch.zeros((), device=head.device)
     chain = None
-    accuracy, expected = [], 1.0
+    correct_sums, chain_sums = [], []
     for s, step_logits in enumerate(logits):
         length = step_logits.shape[1] - s
         q = step_logits[:, :length].log_softmax(-1)
         p = target_logp[:, s:]
         mask = (batch["valid"][:, s:] & batch["trained"][:, s:]).float()
         kl = (p.exp() * (p - q)).sum(-1)
-        denom = mask.sum().clamp(min=1)
-        loss = loss + settings.step_decay**s * (kl * mask).sum() / denom
+        loss = loss + parallel.ddp_mean(settings.step_decay**s * (kl * mask).sum(), counts[s])
         with torch.no_grad():
             correct = q.argmax(-1) == p.argmax(-1)
             chain = correct if chain is None else chain[:, :length] & correct
-            accuracy.append(float((correct.float() * mask).sum() / denom))
-            expected += float((chain.float() * mask).sum() / denom)
-    return loss, accuracy, expected
+            correct_sums.append((correct.float() * mask).sum())
+            chain_sums.append((chain.float() * mask).sum())
+    return loss, torch.stack(correct_sums), torch.stack(chain_sums)
+
+
+def _share(examples: list[Example]) -> dict[str, torch.Tensor]:
+    """This process's sequences of a global batch, collated.  A process left without one (a short
+    last batch) trains on the first with nothing marked trained: a zero loss whose backward still
+    joins DDP's gradient all-reduce."""
+    share = parallel.shard(examples)
+    if share:
+        return collate(share)
+    return collate([replace(examples[0], trained=torch.zeros_like(examples[0].trained))])
 
 
 def _save_checkpoint(path: Path, draft: Eagle3Draft, optimizer, scheduler, epoch: int, history: list, key: str) -> None:
     tensors = {f"model.{k}": v.detach().contiguous() for k, v in draft.state_dict().items()}
     opt_state = optimizer.state_dict()
     for index, state in opt_state["state"].items():
-        for key, value in state.items():
-            tensors[f"optim.{index}.{key}"] = torch.as_tensor(value).contiguous()
+        for name, value in state.items():
+            tensors[f"optim.{index}.{name}"] = torch.as_tensor(value).contiguous()
     meta = {
         "key": key,
         "epoch": epoch,
@@ -177,32 +203,42 @@ def train_draft(
     meta_path = checkpoint / "meta.json"
     if meta_path.exists() and json.loads(meta_path.read_text()).get("key") == resume_key:
         start_epoch, history = _load_checkpoint(checkpoint, draft, optimizer, scheduler)
-        console.print(f"speculator: resuming training after epoch {start_epoch}")
-    draft, optimizer, scheduler = accelerator.prepare(draft, optimizer, scheduler)
+        if accelerator.is_main_process:
+            console.print(f"speculator: resuming training after epoch {start_epoch}")
+    # DDP's reducer syncs the gradients only through its own forward: the unroll is made one.  The
+    # scheduler is stepped here: accelerate's would step once per process (for per-process batches).
+    model, optimizer = accelerator.prepare(parallel.Method(draft, "unroll"), optimizer)
     head = head.to(accelerator.device)
     columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"), TimeRemainingColumn()]
-    with Progress(*columns, console=console, transient=True) as progress:
+    main = accelerator.is_main_process
+    with Progress(*columns, console=console, transient=True, disable=not main) as progress:
         task = progress.add_task(
             "speculator: training", total=total, completed=start_epoch * batches_per_epoch, info=""
         )
         for epoch in range(start_epoch, epochs):
             order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(settings.seed + epoch))
-            batches = [
-                collate([examples[i] for i in order[b : b + settings.batch_sequences].tolist()])
-                for b in range(0, len(examples), settings.batch_sequences)
-            ]
-            loader = accelerator.prepare_data_loader(torch.utils.data.DataLoader(batches, batch_size=None))
+            starts = range(0, len(examples), settings.batch_sequences)
             totals = {"loss": 0.0, "acceptance": 0.0, "accuracy": [0.0] * settings.ttt_steps, "batches": 0}
-            draft.train()
-            for batch in itertools.islice(loader, total - epoch * batches_per_epoch):
+            model.train()
+            for first in itertools.islice(starts, total - epoch * batches_per_epoch):
+                chosen = [examples[i] for i in order[first : first + settings.batch_sequences].tolist()]
+                batch = {k: v.to(accelerator.device) for k, v in _share(chosen).items()}
+                counts = parallel.global_sum(trained_counts(batch, settings.ttt_steps))
                 with accelerator.autocast():
-                    loss, accuracy, expected = ttt_loss(accelerator.unwrap_model(draft), batch, head, settings)
+                    loss, correct, chains = ttt_loss(model, batch, head, settings, counts)
                 accelerator.backward(loss)
                 accelerator.clip_grad_norm_(params, 1.0)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-                totals["loss"] += float(loss.detach())
+                # The batch's metrics over all processes (one process: its own, as they were).
+                sums = parallel.global_sum(torch.cat([loss.detach()[None], correct, chains]).float())
+                k = settings.ttt_steps
+                totals["loss"] += float(sums[0] / parallel.world_size())
+                accuracy = [float(c) for c in sums[1 : 1 + k] / counts.clamp(min=1)]
+                expected = 1.0  # the acceptance length implied by the chains' rates
+                for rate in sums[1 + k :] / counts.clamp(min=1):
+                    expected += float(rate)
                 totals["acceptance"] += expected
                 totals["accuracy"] = [a + b for a, b in zip(totals["accuracy"], accuracy, strict=True)]
                 totals["batches"] += 1
@@ -220,13 +256,11 @@ def train_draft(
                     "learning_rate": scheduler.get_last_lr()[0],
                 }
             )
-            console.print(
-                f"speculator: epoch {epoch + 1}/{epochs} loss {history[-1]['loss']:.4f} "
-                f"acceptance estimate {history[-1]['acceptance_estimate']:.2f}"
-            )
-            if accelerator.is_main_process:
-                _save_checkpoint(
-                    checkpoint, accelerator.unwrap_model(draft), optimizer, scheduler, epoch + 1, history, resume_key
+            if main:
+                console.print(
+                    f"speculator: epoch {epoch + 1}/{epochs} loss {history[-1]['loss']:.4f} "
+                    f"acceptance estimate {history[-1]['acceptance_estimate']:.2f}"
                 )
+                _save_checkpoint(checkpoint, draft, optimizer, scheduler, epoch + 1, history, resume_key)
     draft.eval()
     return history

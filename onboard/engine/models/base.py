@@ -2,7 +2,8 @@
 
 `forward(batch, ctx)` returns a `ModelOutput`: the final-normed hidden states `[T, H]` of the
 step's tokens and the inputs of `ctx.aux_layers` (transformers' `hidden_states[i]`, what an
-EAGLE-3 draft reads); `compute_logits(hidden[batch.logits_indices])` the float32 logits.  A
+EAGLE-3 draft reads; index `num_hidden_layers` is the final-normed state, what MTP layers read);
+`compute_logits(hidden[batch.logits_indices])` the float32 logits.  A
 family says how to build one decoder layer (`make_layer`), what it caches (`kv_layout`) and what
 per-step tables its layers need (`prepare`, e.g. RoPE cos/sin).
 
@@ -83,7 +84,10 @@ class DecoderModel(torch.nn.Module):
             if i in ctx.aux_layers:
                 aux.append(x)
             x = layer.forward(x, ctx)
-        return ModelOutput(self.norm.forward(x), aux)
+        final = self.norm.forward(x)
+        if len(self.layers) in ctx.aux_layers:  # transformers' last hidden_states entry: what MTP reads
+            aux.append(final)
+        return ModelOutput(final, aux)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

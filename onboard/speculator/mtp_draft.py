@@ -1,0 +1,139 @@
+"""A checkpoint's own MTP layers as the engine's draft (DeepSeek-V3/V3.2, GLM-5).
+
+The layers are transformers' (`MtpModel`, loaded by its own `from_pretrained` with its renamings
+and the family's expert conversions), so the draft is the reference implementation, not a copy
+of it.  `MtpModel.from_pretrained` wants a main model only for its class, config and conversion
+mapping: it gets one built on the meta device, which holds no weights, and the draft then takes
+the served model's embedding and head (the MTP layers share them).
+
+Alignment is EAGLE-3's (`draft.py`): row i reads the target's final-normed state at i and the
+embedding of token i+1 and predicts token i+2.  Step s of a chain runs MTP layer s mod n and
+feeds its output state to the next step: transformers' chaining for s < n, vLLM's reuse of the
+layers beyond (`num_speculative_tokens` > n).  The engine serves one MTP layer (every release so
+far has one); more are refused in one line.
+"""
+
+import copy
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from onboard.errors import OnboardError
+from onboard.models.mtp import declared_mtp_layers
+from onboard.speculator.draft import DraftStep, ttt_unroll
+
+
+def mtp_config(config):
+    """A copy of a transformers config with what transformers' MTP code reads and DeepSeek-V3.2's
+    and GLM-5's configs lack: `num_mtp_layers` (their `num_nextn_predict_layers`) and the MTP
+    layers' attention and MLP types (the main stack's attention type, MoE MLPs)."""
+    config = copy.deepcopy(config)
+    count = declared_mtp_layers(config.to_dict())
+    config.num_mtp_layers = count
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and getattr(config, "mtp_layer_types", None) is None:
+        config.mtp_layer_types = [layer_types[-1]] * count
+    if getattr(config, "mlp_layer_types", None) is not None and getattr(config, "mtp_mlp_layer_types", None) is None:
+        config.mtp_mlp_layer_types = ["sparse"] * count
+    return config
+
+
+class MtpDraft(torch.nn.Module):
+    """The engine's draft interface (`engine/spec_decode.py`) over transformers' MTP layers."""
+
+    def __init__(self, mtp, num_hidden_layers: int):
+        super().__init__()
+        self.mtp = mtp
+        self.layer_config = mtp.config
+        self.aux_layer_ids = [num_hidden_layers]  # transformers' hidden_states[N]: the final-normed state
+        self.register_buffer("t2d", torch.ones(mtp.config.vocab_size, dtype=torch.bool))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.mtp.layers)
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.mtp.config)
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        return aux
+
+    def unroll(self, aux: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training-time test (`draft.ttt_unroll`): step s chains the layer as serving does."""
+        return ttt_unroll(self, aux, input_ids, valid, steps)
+
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: DynamicCache,
+        layer: int = 0,
+    ) -> DraftStep:
+        """MTP layer `layer` over `input_ids` [B, T] (tokens i+1) and `hidden` [B, T, H] (states at i);
+        `attention_mask` [B, 1, T, past + T] boolean, None for one row attending to everything cached."""
+        mtp = self.mtp
+        embeds = mtp.embed_tokens(input_ids)
+        past = cache.get_seq_length()
+        if attention_mask is None:
+            attention_mask = torch.ones(1, 1, input_ids.shape[1], past + input_ids.shape[1], dtype=torch.bool)
+        # Additive: transformers' eager attention (DSA's) adds the mask, SDPA takes either form.
+        additive = torch.zeros(attention_mask.shape, dtype=embeds.dtype, device=embeds.device)
+        additive = additive.masked_fill(~attention_mask.to(embeds.device), torch.finfo(embeds.dtype).min)
+        # transformers' `MtpLayer.forward`, spelled out: GLM-5's decoder layer returns (state, top-k
+        # indices), which `MtpLayer` hands to its norm as is (transformers 5.17).
+        block = mtp.layers[layer]
+        parts = [block.enorm(embeds), block.hnorm(hidden.to(embeds.dtype))]
+        if getattr(mtp.config, "mtp_hidden_states_first", False):
+            parts.reverse()
+        out = block.mtp_block(
+            block.eh_proj(torch.cat(parts, dim=-1)),
+            attention_mask=additive,
+            position_embeddings=mtp.rotary_emb(embeds, position_ids) if mtp.rotary_emb is not None else None,
+            position_ids=position_ids,
+            past_key_values=cache,
+        )
+        if isinstance(out, tuple):
+            out = out[0]
+        if block.use_post_norm:
+            out = block.post_norm(out)
+        if mtp.use_shared_post_norm:
+            out = mtp.shared_post_norm(out)
+        return DraftStep(mtp._project_to_logits(out).float(), out)
+
+
+def load_mtp_draft(path: Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor, dtype: torch.dtype) -> MtpDraft:
+    """The MTP layers of the checkpoint at `path` (an artifact or a source), sharing the served
+    model's `embed_tokens` [V, H] and `lm_head` [V, H]."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.modeling_layers import MtpModel
+
+    from onboard.models.mtp import mtp_entries
+
+    raw = AutoConfig.from_pretrained(path)
+    count = declared_mtp_layers(raw.to_dict())
+    if not count or not mtp_entries(path, raw.to_dict()):
+        raise OnboardError(f"{path} has no MTP layers (num_nextn_predict_layers and model.layers.N.* tensors)")
+    if count != 1:
+        raise OnboardError(f"{path} has {count} MTP layers; the engine serves one (vLLM serves more: --engine vllm)")
+    config = mtp_config(raw)
+    config.quantization_config = None  # the main stack's format: the MTP layers are stored as they were
+    with torch.device("meta"):
+        main = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    main.config.name_or_path = str(path)
+    # What `from_pretrained` would have recorded: the family's renamings and expert conversions.
+    main._weight_conversions = get_model_conversion_mapping(main, add_legacy=False)
+    # `MtpModel` finds the layers by the family's pattern, which names the release's layer number
+    # (61 for DeepSeek-V3, 78 for GLM-5); this checkpoint's own number serves any depth.
+    first = config.num_hidden_layers
+    main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{first + k}\..*" for k in range(count)]
+    mtp = MtpModel.from_pretrained(main, device_map={"": "cpu"})
+    mtp.embed_tokens = torch.nn.Embedding.from_pretrained(embed_tokens.to(dtype), freeze=True)
+    head = torch.nn.Linear(lm_head.shape[1], lm_head.shape[0], bias=False, dtype=dtype)
+    head.weight = torch.nn.Parameter(lm_head.to(dtype), requires_grad=False)
+    mtp.shared_head = head
+    rotary = getattr(main.get_decoder(), "rotary_emb", None)
+    mtp.rotary_emb = type(rotary)(config=mtp.config) if rotary is not None else None
+    return MtpDraft(mtp.to(dtype).eval(), config.num_hidden_layers)

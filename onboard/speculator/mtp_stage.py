@@ -1,0 +1,135 @@
+"""The speculator stage for artifacts that keep their MTP layers (DeepSeek-V3/V3.2, GLM-5).
+
+What quantization does to the model's own speculator, measured on the same held-out prompts
+(greedy, in the engine): the source's MTP layers on the BF16 source, and the artifact's on the
+artifact: the MTP layers are the same bytes (`quantize/mtp_carry.py`); the states they read are
+not.  No anchor reports this; users see it only as lost throughput.
+
+`--draft mtp` then fine-tunes the MTP layers on the artifact's own states (the EAGLE-3 data path
+and training loop: `train.py`, data parallel under torchrun), and writes them back into the
+artifact's `mtp-*.safetensors` when they accept more on the held-out prompts than the shipped
+ones.  speculators' MTP training covers Qwen3-Next and Qwen3.5 only (its `mtp_model_classes`),
+so onboard trains transformers' own DeepSeek and GLM layers itself.
+"""
+
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from onboard.console import console
+from onboard.models.mtp import declared_mtp_layers, mtp_entries
+from onboard.speculator.measure import measure_acceptance
+from onboard.speculator.mtp_draft import MtpDraft, load_mtp_draft
+from onboard.workspace import RunDir, Stage
+
+SUMMARY_KEYS = ("acceptance_length", "per_position_acceptance", "speedup", "spec_lossless_greedy", "num_drafts")
+
+
+def has_mtp(path: Path) -> bool:
+    import json
+
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        return False
+    config = json.loads(config_path.read_text())
+    return bool(declared_mtp_layers(config)) and bool(mtp_entries(path, config))
+
+
+def mtp_outputs(artifact: Path) -> list[str]:
+    """The artifact's MTP shards, as run-directory paths (`--draft mtp` rewrites them)."""
+    return [f"artifact/{path.name}" for path in sorted(Path(artifact).glob("mtp-*.safetensors"))]
+
+
+def source_of(run: RunDir) -> Path | None:
+    """The checkpoint the run quantized (the quantize stage's recorded input)."""
+    entry = run.stage_entry("quantize") or {}
+    path = (entry.get("inputs") or {}).get("model_path")
+    return Path(path) if path and Path(path).is_dir() else None
+
+
+def engine_mtp(engine, path: Path) -> MtpDraft:
+    target = engine.target_tensors()
+    return load_mtp_draft(path, target["embed_tokens"], target["lm_head"], engine.dtype)
+
+
+def summary(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {key: metrics[key] for key in SUMMARY_KEYS}
+
+
+def measure_mtp(
+    engine, run: RunDir, config, held_out: list, k: int, max_tokens: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The MTP layers' acceptance on the artifact, and the source's on the BF16 source (a second
+    engine, built after the first measurement and dropped after its own), on the same prompts:
+    metrics.json's `mtp` entry and the artifact's whole measurement."""
+    from onboard.engine import LLMEngine
+
+    console.print(f"speculator: MTP acceptance on the artifact ({len(held_out)} prompts, K = {k}) ...")
+    result: dict[str, Any] = {"num_speculative_tokens": k, "num_prompts": len(held_out)}
+    measured = measure_acceptance(engine, engine_mtp(engine, run.artifact), k, held_out, max_tokens)
+    result["artifact"] = summary(measured)
+    source = source_of(run)
+    if source is None or not has_mtp(source):
+        result["bf16"] = None
+        result["bf16_note"] = "the quantized source is not on this machine" if source is None else "no MTP layers"
+        return result, measured
+    console.print(f"speculator: MTP acceptance on the BF16 source {source} ...")
+    reference = LLMEngine(source, config)
+    result["bf16"] = summary(measure_acceptance(reference, engine_mtp(reference, source), k, held_out, max_tokens))
+    del reference
+    result["acceptance_ratio"] = result["artifact"]["acceptance_length"] / result["bf16"]["acceptance_length"]
+    return result, measured
+
+
+def write_mtp_layers(draft: MtpDraft, artifact: Path, stage: Stage, retrained: bool) -> None:
+    """The artifact's MTP shards into the stage: with the draft's layers (in the checkpoint's names
+    and dtypes, transformers' conversions reverted) when `retrained`, else as they are."""
+    from safetensors.torch import load_file, save_file
+    from transformers.core_model_loading import revert_weight_conversion
+
+    layers = {}
+    if retrained:
+        state = {k: v.detach() for k, v in draft.mtp.state_dict().items() if k.startswith("layers.")}
+        layers = revert_weight_conversion(draft.mtp, state)
+    for relative in mtp_outputs(artifact):
+        name = relative.removeprefix("artifact/")
+        tensors = load_file(str(artifact / name))
+        for key, value in layers.items():
+            if key in tensors:
+                tensors[key] = value.to(tensors[key].dtype).contiguous()
+        save_file(tensors, str(stage.path(relative)), {"format": "pt"})
+
+
+def trainable(draft: MtpDraft) -> MtpDraft:
+    """A float32 copy whose MTP layers train (the shared embedding and head stay frozen)."""
+    draft = draft.float()
+    for name, param in draft.named_parameters():
+        param.requires_grad_(name.startswith("mtp.layers."))
+    return draft
+
+
+def after_training(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    """Keep the retrained layers only when they accept more on the held-out prompts."""
+    return after["acceptance_length"] > before["acceptance_length"]
+
+
+def mtp_table(mtp: dict[str, Any]) -> Table:
+    k = mtp["num_speculative_tokens"]
+    table = Table(
+        title=f"MTP layers in the engine (K = {k}, greedy, {mtp['num_prompts']} prompts)", title_justify="left"
+    )
+    for column in ("target", "acceptance length", *(f"pos {i + 1}" for i in range(k)), "speed-up"):
+        table.add_column(column, justify="left" if column == "target" else "right")
+    rows = [
+        ("BF16 source", mtp.get("bf16")),
+        ("quantized artifact", mtp["artifact"]),
+        ("artifact, MTP fine-tuned", mtp.get("retrained")),
+    ]
+    for name, row in rows:
+        if row is not None:
+            positions = (f"{p:.0%}" for p in row["per_position_acceptance"])
+            table.add_row(name, f"{row['acceptance_length']:.2f}", *positions, f"{row['speedup']:.2f}x")
+    if mtp.get("bf16") is None:
+        table.caption = f"BF16 source not measured: {mtp.get('bf16_note')}"
+    return table

@@ -1,0 +1,158 @@
+"""The quantize stage carries a source's MTP layers into the artifact (llm-compressor, through
+transformers, drops them): byte for byte, counted in the config, named in the ignore list, loaded
+back by transformers' `MtpModel` and served by the engine; an artifact that lacks them is refused."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import tiny_models
+import torch
+import transformers
+
+from onboard.adapt.parity import compare_greedy
+from onboard.engine.config import EngineConfig
+from onboard.engine.llm_engine import LLMEngine
+from onboard.engine.sampler import SamplingParams
+from onboard.models import inspect_checkpoint
+from onboard.models.headers import safetensors_entries
+from onboard.models.mtp import mtp_entries
+from onboard.quantize.mtp_carry import MtpLost, check_mtp_kept
+from onboard.quantize.stage import run_quantize
+from onboard.recipes import Calibration, Quantize, recipe_for
+from onboard.speculator.drafts import load_draft
+from onboard.speculator.mtp_draft import load_mtp_draft
+from onboard.workspace import RunDir
+
+FAMILIES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+MTP = f"model.layers.{tiny_models.DEEPSEEK_LAYERS}"  # after the main layers
+
+
+def quantize(source: Path, root: Path, scheme: str) -> dict:
+    config = json.loads((source / "config.json").read_text())
+    recipe, _ = recipe_for(config["architectures"])
+    data = {
+        **recipe.quantize.model_dump(),
+        "scheme": scheme,
+        "calibration": Calibration(num_samples=2, max_seq_length=64).model_dump(),
+    }
+    with RunDir(root) as run:
+        entry = run_quantize(run, inspect_checkpoint(source), Quantize.model_validate(data), None)
+    assert entry["status"] == "done"
+    return entry
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
+    done: dict[str, Path] = {}
+
+    def build(arch: str) -> tuple[Path, Path]:
+        source = request.getfixturevalue(f"tiny_mtp_{arch}")
+        if arch not in done:
+            done[arch] = tmp_path_factory.mktemp(f"mtp_{arch}")
+            quantize(source, done[arch], "nvfp4")
+        return source, done[arch]
+
+    return build
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_mtp_tensors_are_kept_byte_for_byte(artifacts, arch: str) -> None:
+    source, root = artifacts(arch)
+    artifact = root / "artifact"
+    wanted = mtp_entries(source)
+    assert len(wanted) > 40 and all(name.startswith(f"{MTP}.") for name in wanted)
+    stored = safetensors_entries(artifact)
+    for name, entry in wanted.items():
+        assert stored[name].read() == entry.read() and stored[name].dtype == "BF16"
+    main = [name for name in stored if name.startswith("model.layers.0.")]
+    assert any(name.endswith("weight_packed") for name in main)  # the main stack was quantized
+
+    config = json.loads((artifact / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    assert rf"re:model\.layers\.({tiny_models.DEEPSEEK_LAYERS})\." in config["quantization_config"]["ignore"]
+    index = json.loads((artifact / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(stored)
+    record = json.loads((root / "quantize/selection.json").read_text())["mtp"]
+    assert record == {
+        "layers": 1,
+        "tensors": len(wanted),
+        "bytes": sum(e.nbytes for e in wanted.values()),
+        "dtypes": ["BF16"],
+        "kept": True,
+    }
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_the_artifact_loads_in_transformers_and_serves_its_mtp_head(artifacts, arch: str) -> None:
+    """transformers loads the quantized artifact (the MTP tensors are keys it ignores), the MTP
+    draft loads from it with the source's weights, and the engine serves it, losslessly."""
+    source, root = artifacts(arch)
+    artifact = root / "artifact"
+    transformers.AutoModelForCausalLM.from_pretrained(artifact, dtype=torch.bfloat16)
+    embed, head = torch.randn(512, 64), torch.randn(512, 64)
+    theirs = load_mtp_draft(artifact, embed, head, torch.bfloat16).state_dict()
+    want = load_mtp_draft(source, embed, head, torch.bfloat16).state_dict()
+    assert theirs.keys() == want.keys() and all(torch.equal(theirs[k], want[k]) for k in want)
+
+    engine = LLMEngine(artifact, EngineConfig(block_size=4, num_blocks=256, max_model_len=128), torch.float32)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+    prompt = list(range(5, 30))
+    (plain,) = engine.generate([prompt], params)
+    draft, _ = load_draft(Path("mtp"), artifact, engine)
+    engine.set_speculator(draft, 2)
+    (spec,) = engine.generate([prompt], params)
+    assert engine.speculator.stats.num_drafts > 0
+    # W4A4 re-quantizes every linear's input, so a verification row's last-bit difference from a
+    # decode row's may pick another token: adapt's near-tie rule, as `measure_acceptance` judges.
+    tops = [[[token for token, _ in entry["top"]] for entry in c.logprobs] for c in (spec, plain)]
+    assert compare_greedy(spec.token_ids, plain.token_ids, *tops).near_tie
+
+
+def test_an_artifact_without_the_mtp_layers_is_refused(artifacts, tmp_path: Path) -> None:
+    """What llm-compressor alone writes (the artifact without its mtp-*.safetensors) and an
+    artifact whose MTP tensor was rewritten are refused in one line."""
+    source, root = artifacts("deepseek_v3")
+    lost = Path(shutil.copytree(root / "artifact", tmp_path / "lost"))
+    for shard in lost.glob("mtp-*.safetensors"):
+        shard.unlink()
+    with pytest.raises(MtpLost) as err:
+        check_mtp_kept(source, lost)
+    message = str(err.value)
+    assert "\n" not in message and "lacks 42 of the 42 MTP tensors" in message
+
+    from safetensors.torch import load_file, save_file
+
+    changed = Path(shutil.copytree(root / "artifact", tmp_path / "changed"))
+    shard = next(changed.glob("mtp-*.safetensors"))
+    tensors = load_file(shard)
+    tensors[f"{MTP}.eh_proj.weight"] = tensors[f"{MTP}.eh_proj.weight"] * 2
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(MtpLost, match=r"eh_proj\.weight differs"):
+        check_mtp_kept(source, changed)
+    assert check_mtp_kept(source, changed, byte_equal=False)["kept"]  # a retrained head keeps its shape
+
+
+def test_a_declared_but_absent_mtp_layer_is_not_claimed_by_the_artifact(tiny_deepseek_v3: Path, tmp_path: Path) -> None:
+    """tiny_deepseek_v3 declares transformers' default of one MTP layer and holds none (as a
+    checkpoint re-saved through transformers does): its artifact declares none, so no server looks."""
+    assert json.loads((tiny_deepseek_v3 / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    quantize(tiny_deepseek_v3, tmp_path, "nvfp4a16")
+    config = json.loads((tmp_path / "artifact/config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 0
+    assert not list((tmp_path / "artifact").glob("mtp-*"))
+    assert json.loads((tmp_path / "quantize/selection.json").read_text())["mtp"]["declared"] == 1
+
+
+def test_the_gate_checks_the_mtp_layers_are_still_in_the_artifact(artifacts, tmp_path: Path) -> None:
+    from onboard.gate import evaluate_gate
+
+    _, root = artifacts("deepseek_v3")
+    check = next(c for c in evaluate_gate(root)["checks"] if c["name"] == "mtp_kept")
+    assert check["value"] is True and check["passed"]
+    stripped = Path(shutil.copytree(root, tmp_path / "run"))
+    for shard in (stripped / "artifact").glob("mtp-*.safetensors"):
+        shard.unlink()  # what re-saving the artifact through transformers does
+    check = next(c for c in evaluate_gate(stripped)["checks"] if c["name"] == "mtp_kept")
+    assert check["value"] is False and not check["passed"]
