@@ -33,7 +33,7 @@ from onboard.engine import EngineConfig, LLMEngine
 from onboard.engine.sampler import SamplingParams
 from onboard.models import inspect_checkpoint
 from onboard.quantize.stage import run_quantize
-from onboard.recipes import Calibration, Quantize, SpeculatorSettings, recipe_for
+from onboard.recipes import Calibration, Quantize, recipe_for
 from onboard.speculator.capture import capture_shards
 from onboard.speculator.data import generate_responses, training_prompts
 from onboard.speculator.drafts import load_draft
@@ -48,22 +48,8 @@ ARCHITECTURES = {
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
 }
 ENGINE = EngineConfig(block_size=4, num_blocks=1024, max_model_len=512, enable_prefix_caching=False)
-SETTINGS = SpeculatorSettings(
-    draft="mtp",
-    traffic="mixed",
-    num_prompts=24,
-    responses_per_prompt=2,
-    max_new_tokens=48,
-    max_prompt_tokens=128,
-    generation_concurrency=16,
-    stdlib_files=0,
-    num_speculative_tokens=2,
-    epochs=12,
-    learning_rate=3e-3,
-    batch_sequences=4,
-    max_seq_len=192,
-    eval_prompts=8,
-    eval_max_tokens=48,
+SETTINGS = tiny_models.mtp_speculator_settings(
+    traffic="mixed", num_prompts=24, max_new_tokens=48, max_seq_len=192, eval_prompts=8, eval_max_tokens=48
 )
 
 
@@ -132,7 +118,7 @@ def train_source_mtp(path: Path, work: Path) -> dict:
     n = engine.hf_config.num_hidden_layers
     capture_shards(engine, sequences, [n], work / "data")
     draft = trainable(engine_mtp(engine, path))
-    settings = TrainSettings(epochs=12, learning_rate=3e-3, batch_sequences=4, max_seq_len=192, ttt_steps=2)
+    settings = TrainSettings(epochs=30, learning_rate=3e-3, batch_sequences=4, max_seq_len=192, ttt_steps=2)
     history = train_draft(draft, work / "data", engine.target_tensors()["lm_head"], settings, work / "checkpoint")
     state = {k: v.detach() for k, v in draft.mtp.state_dict().items() if k.startswith("layers.")}
     weights = load_file(str(path / "model.safetensors"))

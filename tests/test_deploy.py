@@ -293,3 +293,25 @@ def test_not_an_eagle3_export(tiny_llama: Path, tmp_path: Path) -> None:
     (other / "config.json").write_text(json.dumps({"speculators_model_type": "mlp"}))
     with pytest.raises(OnboardError, match="speculators_model_type is 'mlp', not eagle3"):
         speculator_of(model, other, None)
+
+
+def test_mtp_artifact_prints_the_mtp_setting(tiny_mtp_deepseek_v3: Path, tiny_llama: Path, tmp_path: Path) -> None:
+    """A checkpoint with MTP layers and no EAGLE-3 export: vLLM's `method: mtp` (one token per MTP
+    layer unless told), SGLang's EAGLE over the model's own layers (no draft path); `--speculator mtp`
+    on a model without MTP layers is one line."""
+    argv, _ = _serve(str(tiny_mtp_deepseek_v3), "--engine", "vllm")
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {"method": "mtp", "num_speculative_tokens": 1}
+    argv, _ = _serve(str(tiny_mtp_deepseek_v3), "--engine", "sglang", "--num-speculative-tokens", "3")
+    assert argv[argv.index("--speculative-algorithm") :] == [
+        "--speculative-algorithm",
+        "EAGLE",
+        "--speculative-num-steps",
+        "3",
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        "4",
+    ]
+    model = _checkpoint(tmp_path / "plain", tiny_llama)
+    with pytest.raises(OnboardError, match=r"--speculator mtp: .* has no MTP layers"):
+        speculator_of(model, Path("mtp"), None)

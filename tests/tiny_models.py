@@ -340,7 +340,12 @@ MTP_MAIN_LAYERS = {"deepseek_v3": 61, "deepseek_v32": 61, "glm_moe_dsa": 78}
 
 
 def build_mtp_model(
-    out_dir: Path, arch: str, seed: int = 0, residual_scale: float = 1.0, release_depth: bool = False
+    out_dir: Path,
+    arch: str,
+    seed: int = 0,
+    residual_scale: float = 1.0,
+    release_depth: bool = False,
+    vllm_cpu_shapes: bool = False,
 ) -> Path:
     """A tiny `arch` checkpoint with one MTP layer stored as DeepSeek and GLM release it:
     `model.layers.{N}.*` after the N main layers, the decoder block (MoE) plus `enorm`, `hnorm`,
@@ -348,6 +353,9 @@ def build_mtp_model(
     `num_nextn_predict_layers: 1`.  Built as an N+1-layer model whose last layer becomes the block.
     N is DEEPSEEK_LAYERS, or with `release_depth` the release's (61, or 78 for GLM-5), which
     transformers' own `MtpModel.from_pretrained` needs: it finds the layers by that number.
+    `vllm_cpu_shapes`: MLA in shapes vLLM's CPU kernels take (`kv_lora_rank + qk_rope_head_dim`
+    = 320, one of its MLA head sizes; head dims a multiple of 32) and DeepSeek-V3's release router
+    keys (`topk_method: noaux_tc`, sigmoid scores), which vLLM reads.
 
     `residual_scale` multiplies every main layer's attention and MLP output projections: at 0 the
     next token is a fixed function of the current one and greedy text walks a short cycle that an
@@ -358,6 +366,10 @@ def build_mtp_model(
 
     main = MTP_MAIN_LAYERS[arch] if release_depth else DEEPSEEK_LAYERS
     config = _deepseek_config(arch, _common_kwargs(), num_layers=main + 1)
+    if vllm_cpu_shapes:
+        config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank = 32, 32, 256
+        config.qk_rope_head_dim = config.head_dim = 64
+        config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _make_model(arch, seed, config).save_pretrained(out_dir)
@@ -386,8 +398,35 @@ def build_mtp_model(
         if raw.get(key):
             raw[key] = raw[key][:main]
     raw["num_nextn_predict_layers"] = 1
+    if vllm_cpu_shapes:
+        raw.update(topk_method="noaux_tc", scoring_func="sigmoid")
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     return out_dir
+
+
+def mtp_speculator_settings(**overrides):
+    """`--draft mtp` settings sized for the tiny MTP models: a few dozen generated sequences, enough
+    epochs for a layer to learn a residual_scale=0 model's walk, a few held-out prompts."""
+    from onboard.recipes import SpeculatorSettings
+
+    settings = dict(
+        draft="mtp",
+        traffic="chat",
+        num_prompts=8,
+        responses_per_prompt=2,
+        max_new_tokens=24,
+        max_prompt_tokens=128,
+        generation_concurrency=16,
+        stdlib_files=0,
+        num_speculative_tokens=2,
+        epochs=12,
+        learning_rate=3e-3,
+        batch_sequences=4,
+        max_seq_len=128,
+        eval_prompts=3,
+        eval_max_tokens=20,
+    )
+    return SpeculatorSettings(**{**settings, **overrides})
 
 
 def build_pickle_only(out_dir: Path) -> Path:

@@ -7,10 +7,10 @@ mapping: it gets one built on the meta device, which holds no weights, and the d
 the served model's embedding and head (the MTP layers share them).
 
 Alignment is EAGLE-3's (`draft.py`): row i reads the target's final-normed state at i and the
-embedding of token i+1 and predicts token i+2.  Step s of a chain runs MTP layer s mod n and
-feeds its output state to the next step: transformers' chaining for s < n, vLLM's reuse of the
-layers beyond (`num_speculative_tokens` > n).  The engine serves one MTP layer (every release so
-far has one); more are refused in one line.
+embedding of token i+1 and predicts token i+2.  The engine serves one MTP layer (DeepSeek-V3/V3.2
+and GLM-5 ship one; more are refused in one line): every step of a chain runs it and feeds its
+output state to the next step, transformers' chaining for the first and vLLM's reuse of the layer
+beyond (`num_speculative_tokens` > 1).
 """
 
 import copy
@@ -70,9 +70,8 @@ class MtpDraft(torch.nn.Module):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         cache: DynamicCache,
-        layer: int = 0,
     ) -> DraftStep:
-        """MTP layer `layer` over `input_ids` [B, T] (tokens i+1) and `hidden` [B, T, H] (states at i);
+        """The MTP layer over `input_ids` [B, T] (tokens i+1) and `hidden` [B, T, H] (states at i);
         `attention_mask` [B, 1, T, past + T] boolean, None for one row attending to everything cached."""
         mtp = self.mtp
         embeds = mtp.embed_tokens(input_ids)
@@ -84,7 +83,7 @@ class MtpDraft(torch.nn.Module):
         additive = additive.masked_fill(~attention_mask.to(embeds.device), torch.finfo(embeds.dtype).min)
         # transformers' `MtpLayer.forward`, spelled out: GLM-5's decoder layer returns (state, top-k
         # indices), which `MtpLayer` hands to its norm as is (transformers 5.17).
-        block = mtp.layers[layer]
+        block = mtp.layers[0]  # the one layer the engine serves (`load_mtp_draft`)
         parts = [block.enorm(embeds), block.hnorm(hidden.to(embeds.dtype))]
         if getattr(mtp.config, "mtp_hidden_states_first", False):
             parts.reverse()
@@ -136,4 +135,4 @@ def load_mtp_draft(path: Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor
     mtp.shared_head = head
     rotary = getattr(main.get_decoder(), "rotary_emb", None)
     mtp.rotary_emb = type(rotary)(config=mtp.config) if rotary is not None else None
-    return MtpDraft(mtp.to(dtype).eval(), config.num_hidden_layers)
+    return MtpDraft(mtp.to(device=embed_tokens.device, dtype=dtype).eval(), config.num_hidden_layers)

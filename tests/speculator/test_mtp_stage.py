@@ -14,28 +14,12 @@ from onboard.models import inspect_checkpoint
 from onboard.models.headers import safetensors_entries
 from onboard.models.mtp import mtp_entries
 from onboard.quantize.stage import run_quantize
-from onboard.recipes import Calibration, Quantize, SpeculatorSettings, recipe_for
+from onboard.recipes import Calibration, Quantize, recipe_for
 from onboard.report import write_report
 from onboard.speculator.stage import run_speculator
 from onboard.workspace import RunDir
 
-SETTINGS = SpeculatorSettings(
-    draft="mtp",
-    traffic="chat",
-    num_prompts=8,
-    responses_per_prompt=2,
-    max_new_tokens=24,
-    max_prompt_tokens=128,
-    generation_concurrency=16,
-    stdlib_files=0,
-    num_speculative_tokens=2,
-    epochs=12,
-    learning_rate=3e-3,
-    batch_sequences=4,
-    max_seq_len=128,
-    eval_prompts=3,
-    eval_max_tokens=20,
-)
+SETTINGS = tiny_models.mtp_speculator_settings()
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +78,26 @@ def test_an_artifact_without_mtp_layers_refuses_draft_mtp(tiny_deepseek_v3: Path
         run_quantize(run, inspect_checkpoint(tiny_deepseek_v3), Quantize.model_validate(data), None)
         with pytest.raises(OnboardError, match="has no MTP layers"):
             run_speculator(run, SETTINGS, None, numerics="exact")
+
+
+def test_bench_measures_the_mtp_layers_of_an_artifact_without_an_export(run_dir: Path) -> None:
+    from onboard.speculator.measure import run_spec_bench
+
+    result = run_spec_bench(run_dir / "artifact", Path("mtp"), [], None, num_prompts=2, max_tokens=12)
+    assert set(result["speculators"]) == {"mtp"}
+    assert result["spec_lossless_greedy"] and len(result["spec_per_position_acceptance"]) == 1  # K: one per layer
+
+
+def test_an_eagle3_run_measures_the_mtp_layers_too(run_dir: Path, tmp_path: Path) -> None:
+    """The default draft on an MTP artifact: an EAGLE-3 head is trained and exported, and the MTP
+    layers' acceptance on the BF16 source and on the artifact is measured beside it."""
+    copy = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    eagle = SETTINGS.model_copy(
+        update={"draft": "eagle3", "num_prompts": 4, "epochs": 1, "draft_vocab_size": 96, "eval_prompts": 2}
+    )
+    with RunDir(copy) as run:
+        run_speculator(run, eagle, None, numerics="exact")
+    metrics = json.loads((copy / "speculator/metrics.json").read_text())
+    assert metrics["draft"] == "eagle3" and (copy / "artifact/speculator/config.json").is_file()
+    assert metrics["mtp"]["bf16"] is not None and metrics["mtp"]["num_prompts"] == 2
+    assert "retrained" not in metrics["mtp"]
