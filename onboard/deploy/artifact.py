@@ -78,10 +78,10 @@ def speculative_tokens(path: Path) -> int:
 def speculator_of(model_dir: Path, given: Path | None, num_tokens: int | None) -> Speculator | None:
     """The given export (or `mtp`), else the artifact's own `speculator/` (what `onboard speculator`
     writes), else its MTP layers when it has them."""
-    from onboard.models.mtp import declared_mtp_layers, mtp_entries
+    from onboard.models.mtp import declared_mtp_layers, has_mtp_layers
 
     config = read_config(model_dir)
-    has_mtp = bool(declared_mtp_layers(config)) and bool(mtp_entries(model_dir, config))
+    has_mtp = has_mtp_layers(model_dir, config)
     if is_mtp(given) and not has_mtp:
         raise OnboardError(f"--speculator mtp: {model_dir} has no MTP layers (num_nextn_predict_layers and tensors)")
     path = given if given is not None else model_dir / "speculator"

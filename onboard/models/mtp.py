@@ -50,3 +50,13 @@ def mtp_entries(directory: Path, config: dict | None = None) -> dict[str, Tensor
     if not prefixes:
         return {}
     return {name: entry for name, entry in safetensors_entries(directory).items() if name.startswith(prefixes)}
+
+
+def has_mtp_layers(directory: Path, config: dict | None = None) -> bool:
+    """The config declares MTP layers and the checkpoint holds their tensors."""
+    if config is None:
+        path = Path(directory) / "config.json"
+        if not path.is_file():
+            return False
+        config = json.loads(path.read_text())
+    return bool(declared_mtp_layers(config)) and bool(mtp_entries(directory, config))

@@ -109,11 +109,11 @@ def load_mtp_draft(path: Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.modeling_layers import MtpModel
 
-    from onboard.models.mtp import mtp_entries
+    from onboard.models.mtp import has_mtp_layers
 
     raw = AutoConfig.from_pretrained(path)
     count = declared_mtp_layers(raw.to_dict())
-    if not count or not mtp_entries(path, raw.to_dict()):
+    if not has_mtp_layers(path, raw.to_dict()):
         raise OnboardError(f"{path} has no MTP layers (num_nextn_predict_layers and model.layers.N.* tensors)")
     if count != 1:
         raise OnboardError(f"{path} has {count} MTP layers; the engine serves one (vLLM serves more: --engine vllm)")

@@ -18,22 +18,12 @@ from typing import Any
 from rich.table import Table
 
 from onboard.console import console
-from onboard.models.mtp import declared_mtp_layers, mtp_entries
+from onboard.models.mtp import has_mtp_layers
 from onboard.speculator.measure import measure_acceptance
 from onboard.speculator.mtp_draft import MtpDraft, load_mtp_draft
 from onboard.workspace import RunDir, Stage
 
 SUMMARY_KEYS = ("acceptance_length", "per_position_acceptance", "speedup", "spec_lossless_greedy", "num_drafts")
-
-
-def has_mtp(path: Path) -> bool:
-    import json
-
-    config_path = Path(path) / "config.json"
-    if not config_path.is_file():
-        return False
-    config = json.loads(config_path.read_text())
-    return bool(declared_mtp_layers(config)) and bool(mtp_entries(path, config))
 
 
 def mtp_outputs(artifact: Path) -> list[str]:
@@ -70,7 +60,7 @@ def measure_mtp(
     measured = measure_acceptance(engine, engine_mtp(engine, run.artifact), k, held_out, max_tokens)
     result["artifact"] = summary(measured)
     source = source_of(run)
-    if source is None or not has_mtp(source):
+    if source is None or not has_mtp_layers(source):
         result["bf16"] = None
         result["bf16_note"] = "the quantized source is not on this machine" if source is None else "no MTP layers"
         return result, measured

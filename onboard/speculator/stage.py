@@ -36,6 +36,7 @@ from onboard.console import console
 from onboard.endpoint import EndpointSpec
 from onboard.errors import OnboardError
 from onboard.hashing import code_version, hash_json
+from onboard.models.mtp import has_mtp_layers
 from onboard.recipes import SpeculatorSettings
 from onboard.speculator import parallel
 from onboard.speculator.capture import PACK_TOKENS, capture_shards
@@ -54,7 +55,6 @@ from onboard.speculator.measure import acceptance_table, held_out_prompts, measu
 from onboard.speculator.mtp_stage import (
     after_training,
     engine_mtp,
-    has_mtp,
     measure_mtp,
     mtp_outputs,
     mtp_table,
@@ -240,7 +240,7 @@ def run_speculator(
         )
     streamed = plan.path == "streamed"
     if settings.draft == "mtp":
-        if not has_mtp(run.artifact):
+        if not has_mtp_layers(run.artifact):
             raise OnboardError(
                 f"--draft mtp: {run.artifact} has no MTP layers (families without them train EAGLE-3, the default)"
             )
@@ -359,7 +359,7 @@ def _in_memory_body(
             metrics = metrics if kept else shipped
         else:
             export_speculator(draft, stage.path("artifact/speculator"), run.artifact.resolve(), k)
-            if has_mtp(run.artifact):
+            if has_mtp_layers(run.artifact):
                 mtp, _ = measure_mtp(engine, run, config, held_out, k, max_tokens)
         metrics.update(
             draft=settings.draft,
