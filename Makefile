@@ -6,7 +6,7 @@ PROFILE ?= quick
 # torch is installed on its own first, pinned, so that nothing later pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: setup demo test test-isa lint clean interop
+.PHONY: setup demo test test-isa coverage lint clean interop
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,15 +25,28 @@ setup: $(VENV)/.installed
 demo: setup
 	$(BIN)/onboard demo --profile $(PROFILE)
 
+# Two xdist workers, one torch thread each (tests/conftest.py): faster on 2 cores than one process
+# with two threads (docs/testing.md). The 10 slowest tests are printed at the end, a guard for the
+# 5-minute budget. The tests marked `interop` need vLLM's venv: `make interop` runs them.
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=10
+
 test: setup
-	$(BIN)/python -m pytest -q
+	$(PYTEST) -m "not interop"
 
 # The parity tests on tiny models again with oneDNN capped at AVX512_CORE (no bf16 or AMX
 # instructions: other kernels, which sum some rows in another order): a proof that holds only
 # where two kernels happen to round alike fails here, on any x86 machine.
 test-isa: setup
-	ONEDNN_MAX_CPU_ISA=AVX512_CORE $(BIN)/python -m pytest -q tests/adapt tests/engine/test_models.py \
+	ONEDNN_MAX_CPU_ISA=AVX512_CORE $(PYTEST) tests/adapt tests/engine/test_models.py \
 		tests/engine/test_fast_numerics.py tests/speculator/test_mtp_draft.py
+
+# Line coverage of onboard/ over `make test`'s tests, subprocesses and forked children included
+# (pyproject.toml's [tool.coverage.run]): the figure a change to the tests must not lower.
+coverage: setup
+	rm -rf .coverage-data && mkdir .coverage-data
+	$(BIN)/python -m coverage run -m pytest -q -n 2 --dist worksteal -m "not interop"
+	$(BIN)/python -m coverage combine -q
+	$(BIN)/python -m coverage report --skip-covered --sort=cover | tail -n 25
 
 lint: setup
 	$(BIN)/ruff check onboard tests
@@ -59,4 +72,4 @@ interop: setup $(VLLM_VENV)/.installed
 	scripts/interop_run.sh
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .coverage-data

@@ -365,7 +365,3 @@ def main() -> None:
         print(f"onboard: error: {message} (see onboard --help)", file=sys.stderr)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
-
-
-if __name__ == "__main__":
-    main()

@@ -10,6 +10,9 @@ so the C library is asked directly; elsewhere (musl, macOS) this is a no-op.
 
 import ctypes
 import ctypes.util
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import cache
 
 
@@ -42,3 +45,25 @@ def release_freed_memory() -> None:
     trim = _libc_function("malloc_trim")
     if trim is not None:
         trim(0)
+
+
+@contextmanager
+def layer_by_layer() -> Iterator[Callable[[], None]]:
+    """For a loop that builds, runs and drops one decoder layer per step: `drop()` after each step
+    frees the dropped layer (a compressed-tensors layer sits in reference cycles, its shell and its
+    hooks, which only the cycle collector frees, and it runs by object counts, not bytes: a 16 GB
+    artifact held a dozen dropped layers when its 6 GB cgroup killed the eval) and gives the pages
+    back. What exists before the loop is frozen out of those collections (`gc.freeze`): a full
+    collection scans every object of the process, about 0.5 s per layer in a process that holds a
+    million (a test session; transformers' imports alone are hundreds of thousands), and nothing
+    made before the loop can be a dropped layer."""
+
+    def drop() -> None:
+        gc.collect()
+        release_freed_memory()
+
+    gc.freeze()
+    try:
+        yield drop
+    finally:
+        gc.unfreeze()

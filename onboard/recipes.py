@@ -236,6 +236,13 @@ class SpeculatorSettings(_Strict):
     eval_max_tokens: int = Field(96, gt=0)
 
 
+class Adapt(_Strict):
+    # Built-in eval prompts whose greedy continuations (64 tokens) and teacher-forced logits are
+    # compared with transformers'; the parity stage's time grows with it (24 s a prompt for the
+    # demo's mixed artifact on 2 cores).
+    num_prompts: int = Field(16, gt=0)
+
+
 class Smoke(_Strict):
     num_prompts: int = Field(120, gt=0)  # built-in prompts, every traffic type (eval split first)
     max_tokens: int = Field(512, gt=0)
@@ -310,6 +317,7 @@ class Recipe(_Strict):
     quantize: Quantize = Quantize()
     eval: Eval = Eval()
     speculator: SpeculatorSettings = SpeculatorSettings()
+    adapt: Adapt = Adapt()
     smoke: Smoke = Smoke()
     gate: Gate = Gate()
     deployment: Deployment = Deployment()

@@ -2,10 +2,10 @@
 nothing half-written.
 
 Every case runs the CLI's real entry point (`onboard.cli.main`) in its own process with its own
-stdout and stderr. The cheap cases share one interpreter's imports: a driver process imports
-onboard (and with it torch and transformers) once, then forks one child per case, so a dozen
-cases cost one CLI start-up instead of a dozen. `test_console_script_matches_batch` checks that
-the installed `onboard` script gives the same result as the batch for one case.
+stdout and stderr, forked from one interpreter that has done the heavy imports (the session's
+`onboard_process`, tests/cli_process.py), so a dozen cases cost one CLI start-up instead of a
+dozen. `test_console_script_matches_batch` checks that the installed `onboard` script gives the
+same result as the batch for one case.
 
 The write-error case is a real OS error: the CLI runs under RLIMIT_FSIZE with SIGXFSZ ignored,
 so writing the artifact fails with EFBIG (root ignores file modes, so chmod cannot do this).
@@ -13,9 +13,7 @@ so writing the artifact fails with EFBIG (root ignores file modes, so chmod cann
 
 import json
 import os
-import resource
 import shutil
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -29,44 +27,6 @@ from onboard.models.checkpoint import check_safetensors, inspect_checkpoint
 
 QUICK = ["--num-samples", "2", "--max-seq-length", "64"]
 
-# Forks one child per case after importing onboard once; each child runs `onboard.cli.main()`
-# with the case's argv and its stdout/stderr on files, and exits the way the interpreter would.
-DRIVER = r"""
-import json, os, sys, traceback
-import onboard.cli
-import onboard.evaluate.stage, onboard.quantize.stage  # the heavy imports, once, before forking
-
-cases = json.loads(sys.stdin.read())
-codes = {}
-for name, case in cases.items():
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            for fd, path in ((1, case["stdout"]), (2, case["stderr"])):
-                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-            sys.argv = ["onboard", *case["args"]]
-            try:
-                onboard.cli.main()
-                code = 0
-            except SystemExit as done:
-                if done.code is None or isinstance(done.code, int):
-                    code = done.code or 0
-                else:
-                    print(done.code, file=sys.stderr)
-            except BaseException:
-                traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    codes[name] = os.waitstatus_to_exitcode(status)
-print(json.dumps(codes))
-"""
-
 
 def cli_env() -> dict[str, str]:
     env = dict(os.environ)
@@ -76,7 +36,7 @@ def cli_env() -> dict[str, str]:
 
 def onboard_script() -> list[str]:
     script = Path(sys.executable).with_name("onboard")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "onboard.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "onboard"]
 
 
 @dataclass
@@ -388,34 +348,13 @@ class Batch:
 
 
 @pytest.fixture(scope="module")
-def batch(inputs: Inputs) -> Batch:
+def batch(inputs: Inputs, onboard_process) -> Batch:
     cases = make_cases(inputs)
     before = {name: snapshot(case.run_dir) for name, case in cases.items()}
-    logs = inputs.base / "logs"
-    logs.mkdir()
-    spec = {
-        name: {
-            "args": case.args,
-            "stdout": str(logs / f"{name}.out"),
-            "stderr": str(logs / f"{name}.err"),
-        }
-        for name, case in cases.items()
-    }
-    driver = subprocess.run(
-        [sys.executable, "-c", DRIVER],
-        input=json.dumps(spec),
-        capture_output=True,
-        text=True,
-        env=cli_env(),
-        cwd=inputs.base,
-        timeout=600,
-    )
-    assert driver.returncode == 0, driver.stderr
-    codes = json.loads(driver.stdout.splitlines()[-1])
-    results = {
-        name: Result(codes[name], Path(s["stdout"]).read_text(), Path(s["stderr"]).read_text())
-        for name, s in spec.items()
-    }
+    results = {}
+    for name, case in cases.items():
+        done = onboard_process.run(case.args, env=cli_env(), cwd=inputs.base)
+        results[name] = Result(done.returncode, done.stdout, done.stderr)
     return Batch(cases, before, results)
 
 
@@ -530,27 +469,15 @@ def test_allow_pickle_gets_past_the_pickle_check(inputs: Inputs) -> None:
 FILE_SIZE_LIMIT = 100_000
 
 
-def _limit_file_size() -> None:
-    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() fails with EFBIG instead
-
-
-def run_cli(args: list[str], **kwargs) -> Result:
-    done = subprocess.run(
-        [*onboard_script(), *args],
-        capture_output=True,
-        text=True,
-        env=cli_env(),
-        timeout=600,
-        **kwargs,
-    )
+def run_cli(onboard_process, args: list[str], file_size_limit: int | None = None) -> Result:
+    done = onboard_process.run(args, env=cli_env(), file_size_limit=file_size_limit)
     return Result(done.returncode, done.stdout, done.stderr)
 
 
 @pytest.fixture(scope="module")
-def write_failure(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Result]:
+def write_failure(tiny_llama: Path, onboard_process, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Result]:
     run_dir = tmp_path_factory.mktemp("efbig") / "run"
-    result = run_cli(["quantize", str(tiny_llama), "--out", str(run_dir), *QUICK], preexec_fn=_limit_file_size)
+    result = run_cli(onboard_process, ["quantize", str(tiny_llama), "--out", str(run_dir), *QUICK], FILE_SIZE_LIMIT)
     return run_dir, result
 
 
@@ -564,7 +491,7 @@ def leftovers(run_dir: Path) -> list[str]:
 
 
 def test_write_error_leaves_nothing_half_written_and_rerun_succeeds(
-    write_failure: tuple[Path, Result], tiny_llama: Path
+    write_failure: tuple[Path, Result], tiny_llama: Path, onboard_process
 ) -> None:
     run_dir, failed = write_failure
     assert failed.returncode > 0, failed.stderr
@@ -574,7 +501,7 @@ def test_write_error_leaves_nothing_half_written_and_rerun_succeeds(
     assert manifest["stages"]["quantize"]["status"] != "done"
     assert leftovers(run_dir) == []
 
-    rerun = run_cli(["quantize", str(tiny_llama), "--out", str(run_dir), *QUICK])
+    rerun = run_cli(onboard_process, ["quantize", str(tiny_llama), "--out", str(run_dir), *QUICK])
     assert rerun.returncode == 0, rerun.stderr
     assert "Traceback" not in rerun.stderr
     check_safetensors(run_dir / "artifact" / "model.safetensors")

@@ -4,7 +4,7 @@ Each run directory is what the stages would leave behind: `manifest.json` with t
 `done` and the recipe recorded, plus each stage's metrics file. `passing_run` writes values
 comfortably inside the default `Gate()`; the tests push one value at a time past (or onto) its
 threshold, drop or fail a stage, tighten the recorded recipe, and finally run the real CLI in a
-few subprocesses for its exit codes (0 pass, 1 fail, 2 incomplete or bad input).
+few processes of its own for its exit codes (0 pass, 1 fail, 2 incomplete or bad input).
 
 adapt's parity.json names the rule it judged by (`rule`): `bitwise` and `near_tie` runs are gated on
 the token checks, `layerwise_distribution` runs (4-bit activations) on the distribution and layerwise
@@ -14,8 +14,6 @@ checks instead; `PASSING_W4A4` is such a run, whose token figures would fail the
 import copy
 import json
 import os
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -825,18 +823,14 @@ def test_junit_is_escaped(tmp_path):
 # --- the real CLI --------------------------------------------------------------------------------
 
 
-def run_cli(*args: str | Path) -> subprocess.CompletedProcess:
+@pytest.fixture
+def run_cli(onboard_process):
+    """`onboard gate ARGS` in a process of its own (forked from a warm interpreter)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "COLUMNS": "120"}
-    return subprocess.run(
-        [sys.executable, "-c", "import onboard.cli; onboard.cli.main()", "gate", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    return lambda *args: onboard_process.run(["gate", *args], env=env)
 
 
-def _assert_one_error_line(proc: subprocess.CompletedProcess, *needles: str) -> None:
+def _assert_one_error_line(proc, *needles: str) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -846,7 +840,7 @@ def _assert_one_error_line(proc: subprocess.CompletedProcess, *needles: str) -> 
         assert needle in lines[0]
 
 
-def test_cli_pass_writes_gate_json_and_junit(tmp_path):
+def test_cli_pass_writes_gate_json_and_junit(tmp_path, run_cli):
     run = make_run(tmp_path / "run")
     junit = tmp_path / "out.xml"
     proc = run_cli(run, "--junit", junit)
@@ -860,7 +854,7 @@ def test_cli_pass_writes_gate_json_and_junit(tmp_path):
     assert ET.fromstring(junit.read_text()).find("testsuite").get("failures") == "0"
 
 
-def test_cli_failing_run_exits_1(tmp_path):
+def test_cli_failing_run_exits_1(tmp_path, run_cli):
     metrics = passing_metrics()
     metrics["adapt"]["max_abs_logit_diff"] = 3.0
     run = make_run(tmp_path / "run", metrics)
@@ -872,7 +866,7 @@ def test_cli_failing_run_exits_1(tmp_path):
     assert failed_names(written) == {"parity_logit_diff"}
 
 
-def test_cli_failing_w4a4_run_exits_1(tmp_path):
+def test_cli_failing_w4a4_run_exits_1(tmp_path, run_cli):
     metrics = passing_metrics("layerwise_distribution")
     metrics["adapt"]["fast"]["distribution"]["damage_diff"] = 0.12
     run = make_run(tmp_path / "run", metrics)
@@ -885,7 +879,7 @@ def test_cli_failing_w4a4_run_exits_1(tmp_path):
     assert by_name(written)["parity_damage_diff"]["value"] == 0.12
 
 
-def test_cli_incomplete_run_exits_2(tmp_path):
+def test_cli_incomplete_run_exits_2(tmp_path, run_cli):
     run = make_run(tmp_path / "run", status={"speculator": "failed"})
     proc = run_cli(run)
     assert proc.returncode == 2, proc.stderr
@@ -895,20 +889,20 @@ def test_cli_incomplete_run_exits_2(tmp_path):
     assert written["complete"] is False and written["missing"] == ["speculator"]
 
 
-def test_cli_not_a_run_dir(tmp_path):
+def test_cli_not_a_run_dir(tmp_path, run_cli):
     plain = tmp_path / "plain"
     plain.mkdir()
     _assert_one_error_line(run_cli(plain), str(plain), MANIFEST)
     assert not (plain / "gate.json").exists()
 
 
-def test_cli_unknown_set(tmp_path):
+def test_cli_unknown_set(tmp_path, run_cli):
     run = make_run(tmp_path / "run")
     _assert_one_error_line(run_cli(run, "--set", "nosuch=1"), "nosuch")
     assert not (run / "gate.json").exists()
 
 
-def test_cli_set_flips_pass_to_fail(tmp_path):
+def test_cli_set_flips_pass_to_fail(tmp_path, run_cli):
     """The passing run exits 0 (test_cli_pass_...); one tightened threshold makes it exit 1."""
     run = make_run(tmp_path / "run")
     proc = run_cli(run, "--set", "max_mean_kld=0.01")

@@ -5,7 +5,6 @@ should, listing a conditional check whose phase was skipped as not checked."""
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -37,12 +36,11 @@ def gpu_check():
 
 
 @pytest.mark.slow  # 25-60 s on 2 busy cores
-def test_tiny_run_on_cpu_writes_every_section(tmp_path: Path, gpu_check) -> None:
+def test_tiny_run_on_cpu_writes_every_section(tmp_path: Path, gpu_check, onboard_process) -> None:
     out = tmp_path / "report" / "gpu_check.json"
-    # The tiny shape with a smaller workload than its defaults, to stay quick on 2 cores.
-    command = [
-        sys.executable,
-        str(SCRIPT),
+    # The tiny shape with a smaller workload than its defaults, to stay quick on 2 cores; as
+    # `python scripts/gpu_check.py ...` runs it, in a process forked from a warm interpreter.
+    args = [
         "--shape=tiny",
         "--device=cpu",
         f"--out={out}",
@@ -57,7 +55,7 @@ def test_tiny_run_on_cpu_writes_every_section(tmp_path: Path, gpu_check) -> None
         f"--calib-tokens={CALIB_TOKENS}",
         f"--phases={','.join(gpu_check.PHASES)}",
     ]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    proc = onboard_process.run(args, program=SCRIPT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "PASS: all checks passed"
     assert not list(tmp_path.glob("gpu_check-*")), "the temporary checkpoint was left behind"

@@ -4,6 +4,7 @@ log-probabilities that onboard's endpoint scoring reads and that agree with the 
 unless `.venv-vllm` and the demo checkpoint are on the machine (`make interop`, `make demo`)."""
 
 import json
+import os
 import socket
 import subprocess
 from pathlib import Path
@@ -48,8 +49,13 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def vllm_url():
+    """vLLM serving the demo checkpoint: the one `make interop` already runs ($INTEROP_VLLM_BF16,
+    scripts/interop_checks.sh), else one of its own."""
+    if served := os.environ.get("INTEROP_VLLM_BF16"):
+        yield served
+        return
     port = _free_port()
-    subprocess.run([str(SERVE), str(_demo()), str(port), "--served-model-name", "demo"], check=True, timeout=900)
+    subprocess.run([str(SERVE), str(_demo()), str(port), "--served-model-name", "bf16"], check=True, timeout=900)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -61,7 +67,7 @@ def test_vllm_and_onboard_agree_on_the_demo_checkpoint(vllm_url: str) -> None:
     engine = LLMEngine(_demo(), EngineConfig())
     prompts = chat_prompts(builtin_records("eval", stdlib_files=0), engine.tokenizer, max_tokens=256, limit=3)
     with Endpoint(EndpointSpec(vllm_url)) as endpoint:
-        assert endpoint.model == "demo"
+        assert endpoint.model == "bf16"
         for prompt in prompts:
             body = {
                 "prompt": prompt.token_ids,

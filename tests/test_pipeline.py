@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+from build_once import copy_of
 
 from onboard.paths import RECIPES_DIR
 from onboard.pipeline import DEMO_PROFILES, DEMO_RECIPE, STAGES, profile_overrides, run_pipeline
@@ -25,6 +26,7 @@ TINY = {
     "speculator.max_seq_len": 64,
     "speculator.eval_prompts": 2,
     "speculator.eval_max_tokens": 8,
+    "adapt.num_prompts": 2,
     "smoke.num_prompts": 4,
     "smoke.max_tokens": 24,
     "smoke.invariance_prompts": 2,
@@ -36,8 +38,16 @@ def overrides(**extra: object) -> dict[str, tuple[str, object]]:
     return {key: (key, value) for key, value in {**TINY, **extra}.items()}
 
 
-def test_every_stage_then_the_verdict_as_exit_code(tiny_llama: Path, tmp_path: Path, capsys) -> None:
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def quantized(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`onboard run --stages quantize` with TINY, once: the runs below take copies and resume it."""
+    out = tmp_path_factory.mktemp("pipeline") / "run"
+    assert run_pipeline(tiny_llama, out, ["quantize"], None, overrides()) == 0
+    return out
+
+
+def test_every_stage_then_the_verdict_as_exit_code(tiny_llama: Path, quantized: Path, tmp_path: Path, capsys) -> None:
+    out = copy_of(quantized, tmp_path / "run")
     code = run_pipeline(tiny_llama, out, list(STAGES), None, overrides())
     gate = json.loads((out / "gate.json").read_text())
     assert gate["complete"] and code == (0 if gate["passed"] else 1)
@@ -49,6 +59,7 @@ def test_every_stage_then_the_verdict_as_exit_code(tiny_llama: Path, tmp_path: P
         "adapt",
         "smoke",
     ]
+    assert json.loads((out / "adapt" / "parity.json").read_text())["num_prompts"] == 2  # the recipe's
     report = (out / "report.html").read_text()
     assert "PASS" in report if gate["passed"] else "FAIL" in report
     # A threshold no run can meet turns the verdict, and the exit code, to a failure; every stage
@@ -59,8 +70,10 @@ def test_every_stage_then_the_verdict_as_exit_code(tiny_llama: Path, tmp_path: P
     assert capsys.readouterr().err.count("cached, inputs unchanged") == 5
 
 
-def test_a_run_without_the_stages_the_gate_needs_is_incomplete(tiny_llama: Path, tmp_path: Path) -> None:
-    out = tmp_path / "run"
+def test_a_run_without_the_stages_the_gate_needs_is_incomplete(
+    tiny_llama: Path, quantized: Path, tmp_path: Path
+) -> None:
+    out = copy_of(quantized, tmp_path / "run")
     code = run_pipeline(tiny_llama, out, ["quantize", "report", "gate"], None, overrides())
     gate = json.loads((out / "gate.json").read_text())
     assert code == 2 and gate["missing"] == ["eval", "speculator", "adapt", "smoke"]

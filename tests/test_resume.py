@@ -1,14 +1,13 @@
 """Stages are cached by their inputs, atomic, and resumable after SIGKILL.
 
 The first half drives `RunDir.run_stage` in-process with a toy stage; the second runs the real
-`onboard quantize` in a subprocess, kills it with SIGKILL mid-stage and resumes it.
+`onboard quantize` in a process of its own (forked from a warm interpreter: tests/cli_process.py),
+kills it with SIGKILL mid-stage and resumes it.
 """
 
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_process import Finished
 
 from onboard.errors import OnboardError
 from onboard.hashing import fingerprint
@@ -218,37 +218,17 @@ QUICK = ["--num-samples", "2", "--max-seq-length", "64"]
 OUTPUTS = ("artifact/model.safetensors", "quantize/selection.json")
 
 
-def quantize_cmd(model: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "onboard.cli",
-        "quantize",
-        str(model),
-        "--out",
-        str(run_dir),
-        *QUICK,
-        *extra,
-    ]
+def quantize_args(model: Path, run_dir: Path, *extra: str) -> list[str]:
+    return ["quantize", str(model), "--out", str(run_dir), *QUICK, *extra]
 
 
-def cli_env() -> dict[str, str]:
-    return {**os.environ, "ONBOARD_CACHE": os.environ["ONBOARD_CACHE"]}
-
-
-def quantize(model: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        quantize_cmd(model, run_dir, *extra),
-        capture_output=True,
-        text=True,
-        env=cli_env(),
-        timeout=600,
-    )
+def quantize(onboard_process, model: Path, run_dir: Path, *extra: str):
+    done = onboard_process.run(quantize_args(model, run_dir, *extra))
     assert "Traceback" not in done.stderr, done.stderr
     return done
 
 
-def said(done: subprocess.CompletedProcess, text: str) -> bool:
+def said(done, text: str) -> bool:
     """Whether stderr says `text` (rich wraps long lines at the terminal width)."""
     return text in " ".join(done.stderr.split())
 
@@ -272,48 +252,41 @@ class Killed:
     staged: list[str]  # what the killed process had staged
     artifact_existed: bool
     status: str | None
-    resumed: subprocess.CompletedProcess
+    resumed: Finished
     resumed_entry: dict[str, Any]
     resumed_bytes: dict[str, bytes]
 
 
 @pytest.fixture(scope="module")
-def killed(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Killed:
+def killed(tiny_llama: Path, onboard_process, tmp_path_factory: pytest.TempPathFactory) -> Killed:
     """`onboard quantize` SIGKILLed while its stage is staging output, then run again."""
     run_dir = tmp_path_factory.mktemp("sigkill") / "run"
     staging = run_dir / ".staging" / "quantize"
-    log = run_dir.parent / "killed.log"
-    with open(log, "w") as stderr:
-        proc = subprocess.Popen(
-            quantize_cmd(tiny_llama, run_dir),
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            env=cli_env(),
-        )
-        try:
-            deadline = time.monotonic() + 300
-            while not (staging.is_dir() and stage_status(run_dir) == "running"):
-                assert proc.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, "the quantize stage never started"
-                time.sleep(0.01)
-            # Better still: kill it once it has started writing the artifact (about a second
-            # before it would finish); give up waiting for that after a while.
-            wait_for_files = time.monotonic() + 60
-            while not any(p.is_file() for p in staging.rglob("*")) and time.monotonic() < wait_for_files:
-                assert proc.poll() is None, log.read_text()
-                time.sleep(0.005)
+    proc = onboard_process.start(quantize_args(tiny_llama, run_dir))
+    try:
+        deadline = time.monotonic() + 300
+        while not (staging.is_dir() and stage_status(run_dir) == "running"):
+            assert proc.poll() is None, proc.stderr_path.read_text()
+            assert time.monotonic() < deadline, "the quantize stage never started"
+            time.sleep(0.01)
+        # Better still: kill it once it has started writing the artifact (about a second
+        # before it would finish); give up waiting for that after a while.
+        wait_for_files = time.monotonic() + 60
+        while not any(p.is_file() for p in staging.rglob("*")) and time.monotonic() < wait_for_files:
+            assert proc.poll() is None, proc.stderr_path.read_text()
+            time.sleep(0.005)
+    finally:
+        if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
-        finally:
-            proc.kill()
-            proc.wait()
+        returncode = proc.wait().returncode
     staged = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
     artifact_existed = (run_dir / "artifact").exists()
     status = stage_status(run_dir)
 
-    resumed = quantize(tiny_llama, run_dir)
+    resumed = quantize(onboard_process, tiny_llama, run_dir)
     return Killed(
         run_dir=run_dir,
-        returncode=proc.returncode,
+        returncode=returncode,
         staged=staged,
         artifact_existed=artifact_existed,
         status=status,
@@ -342,16 +315,16 @@ def test_rerun_after_sigkill_redoes_the_stage(killed: Killed) -> None:
     assert not (run_dir / ".staging" / "quantize").exists()
 
 
-def test_cached_then_changed_input_reruns(killed: Killed, tiny_llama: Path) -> None:
+def test_cached_then_changed_input_reruns(killed: Killed, tiny_llama: Path, onboard_process) -> None:
     run_dir = killed.run_dir
-    cached = quantize(tiny_llama, run_dir)
+    cached = quantize(onboard_process, tiny_llama, run_dir)
     assert cached.returncode == 0, cached.stderr
     assert said(cached, "quantize: cached, inputs unchanged")
     assert not said(cached, "did not finish")
     assert quantize_entry(run_dir) == killed.resumed_entry
     assert {name: (run_dir / name).read_bytes() for name in OUTPUTS} == killed.resumed_bytes
 
-    changed = quantize(tiny_llama, run_dir, "--num-samples", "3")
+    changed = quantize(onboard_process, tiny_llama, run_dir, "--num-samples", "3")
     assert changed.returncode == 0, changed.stderr
     assert not said(changed, "cached")
     assert not said(changed, "did not finish")
@@ -363,10 +336,11 @@ def test_cached_then_changed_input_reruns(killed: Killed, tiny_llama: Path) -> N
     assert entry["outputs"]["artifact"] == fingerprint(run_dir / "artifact")
 
 
-def test_quantize_is_deterministic(killed: Killed, tiny_llama: Path, tmp_path: Path) -> None:
-    """A fresh run gives the same bytes as the run that was killed and resumed."""
+def test_quantize_is_deterministic(killed: Killed, tiny_llama: Path, onboard_process, tmp_path: Path) -> None:
+    """A fresh run gives the same bytes as the run that was killed and resumed (the second build of
+    the same settings is this test's point)."""
     run_dir = tmp_path / "fresh"
-    fresh = quantize(tiny_llama, run_dir)
+    fresh = quantize(onboard_process, tiny_llama, run_dir)
     assert fresh.returncode == 0, fresh.stderr
     assert {name: (run_dir / name).read_bytes() for name in OUTPUTS} == killed.resumed_bytes
     assert quantize_entry(run_dir)["outputs"] == killed.resumed_entry["outputs"]

@@ -17,7 +17,6 @@ while a layer that computes something else lands far above and is named (`MAX_LA
 Exact numerics compute transformers' own products, so the error is usually zero.
 """
 
-import gc
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from rich.progress import Progress
 
 from onboard.console import console
 from onboard.engine import LayerStepper, checkpoint_linears
-from onboard.memory import release_freed_memory
+from onboard.memory import layer_by_layer
 from onboard.models.layers import CheckpointLayers, check_layerwise, layer_tensors
 from onboard.recipes import Gate
 
@@ -140,7 +139,7 @@ def measure_layerwise(
     topk: list[torch.Tensor | None] = [None] * len(prompts)
     gen = torch.Generator().manual_seed(0)
     layers = []
-    with Progress(console=console) as progress:
+    with Progress(console=console) as progress, layer_by_layer() as drop:
         task = progress.add_task("layerwise parity", total=config.num_hidden_layers)
         for index in range(config.num_hidden_layers):
             theirs_layer = reference.layer(index)
@@ -170,8 +169,7 @@ def measure_layerwise(
             entry["passed"] = entry["passed"] and entry["linear_ratio"] <= MAX_LINEAR_RATIO
             layers.append(entry)
             del theirs_layer, mine_layer
-            gc.collect()  # compressed-tensors layers sit in reference cycles (models/streamed.py)
-            release_freed_memory()
+            drop()
             progress.advance(task)
     head = _head(path, config, stepper, reference, streams, gen)
     failing = [e["layer"] for e in layers if not e["passed"]] + ([] if head["passed"] else ["head"])

@@ -323,14 +323,15 @@ def run_adapt(
 ) -> dict[str, Any]:
     console.print(f"{', '.join(checkpoint.architectures)} -> engine model {engine_model_for(checkpoint)}")
     source = source_of(run) if Path(checkpoint.path).resolve() == run.artifact.resolve() else None
+    num_prompts = run.recipe().adapt.num_prompts
 
     def body(stage: Stage) -> dict[str, Any]:
         torch.manual_seed(0)
-        result = measure_parity(checkpoint, dtype, device, source=source)
+        result = measure_parity(checkpoint, dtype, device, num_prompts, source=source)
         atomic.write_json(stage.path("adapt/parity.json"), result)
         return {k: v for k, v in result.items() if k not in ("cases", "layerwise")}
 
-    inputs = {"model": fingerprint(checkpoint.path), "dtype": str(dtype), "device": device}
+    inputs = {"model": fingerprint(checkpoint.path), "dtype": str(dtype), "device": device, "num_prompts": num_prompts}
     if source is not None:
         inputs["source"] = fingerprint(source.path)
     entry = run.run_stage("adapt", inputs, outputs=["adapt/parity.json"], body=body)
@@ -347,7 +348,7 @@ def run_layerwise(
     console.print(
         f"{', '.join(checkpoint.architectures)} -> engine model {engine_model_for(checkpoint)}, layer by layer"
     )
-    prompts = parity_prompts(load_tokenizer(checkpoint))
+    prompts = parity_prompts(load_tokenizer(checkpoint), run.recipe().adapt.num_prompts)
 
     def body(stage: Stage) -> dict[str, Any]:
         result = measure_layerwise(checkpoint.path, prompts, dtype, device)
@@ -356,7 +357,7 @@ def run_layerwise(
             k: result[k] for k in ("passed", "max_abs_diff", "max_floor_ratio", "first_failing_layer", "num_tokens")
         }
 
-    inputs = {"model": fingerprint(checkpoint.path), "dtype": str(dtype), "device": device}
+    inputs = {"model": fingerprint(checkpoint.path), "dtype": str(dtype), "device": device, "num_prompts": len(prompts)}
     entry = run.run_stage("adapt_layerwise", inputs, outputs=["adapt/layerwise.json"], body=body)
     console.print(layerwise_table(entry["metrics"], run.root / "adapt" / "layerwise.json"))
     return entry

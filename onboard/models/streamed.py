@@ -8,7 +8,6 @@ stages' numbers (tests compare them).  Layers are read in order, once per pass, 
 one read of the checkpoint.
 """
 
-import gc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import torch
 from rich.progress import Progress
 
 from onboard.console import console
-from onboard.memory import release_freed_memory
+from onboard.memory import layer_by_layer
 from onboard.models.layers import CheckpointLayers, check_layerwise
 
 # A batch's state between layers: its hidden states, and the top-k indices a DSA layer hands on
@@ -69,15 +68,11 @@ class StreamedModel:
     def indices(self, label: str) -> Iterator[int]:
         """Layer indices in order under a progress bar; the caller builds, runs and deletes each
         layer between steps, and freed memory goes back to the system after each."""
-        with Progress(console=console, transient=True) as progress:
+        with Progress(console=console, transient=True) as progress, layer_by_layer() as drop:
             task = progress.add_task(label, total=self.num_layers)
             for index in range(self.num_layers):
                 yield index
-                # A compressed-tensors layer sits in reference cycles (its shell, its hooks): only
-                # the cycle collector frees it, and it runs by object counts, not bytes; a 16 GB
-                # artifact held a dozen dropped layers when its 6 GB cgroup killed the eval.
-                gc.collect()
-                release_freed_memory()
+                drop()
                 progress.advance(task)
 
     @torch.inference_mode()

@@ -4,7 +4,6 @@ which saves an interpreter start (torch, transformers) per case."""
 
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,17 +55,10 @@ def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.fixture(scope="module")
-def adapted(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
-    """`onboard adapt TINY_LLAMA --out RUN` once, as a user runs it."""
+def adapted(tiny_llama: Path, onboard_process, tmp_path_factory: pytest.TempPathFactory):
+    """`onboard adapt TINY_LLAMA --out RUN` once, as a user runs it, in a process of its own."""
     run = tmp_path_factory.mktemp("adapt") / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "onboard.cli", "adapt", str(tiny_llama), "--out", str(run)],
-        capture_output=True,
-        text=True,
-        env=cli_env(),
-        timeout=600,
-    )
-    return run, result
+    return run, onboard_process.run(["adapt", str(tiny_llama), "--out", str(run)], env=cli_env())
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +73,7 @@ def gpt2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_adapt_cli_writes_parity(adapted: tuple[Path, subprocess.CompletedProcess]) -> None:
+def test_adapt_cli_writes_parity(adapted) -> None:
     run, result = adapted
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stdout + result.stderr
@@ -105,7 +97,7 @@ def test_adapt_cli_writes_parity(adapted: tuple[Path, subprocess.CompletedProces
     assert "cases" not in entry["metrics"]
 
 
-def test_second_adapt_run_is_cached(adapted: tuple[Path, subprocess.CompletedProcess], tiny_llama: Path, cli) -> None:
+def test_second_adapt_run_is_cached(adapted, tiny_llama: Path, cli) -> None:
     run, first = adapted
     assert first.returncode == 0, first.stderr
     parity = (run / "adapt" / "parity.json").read_bytes()
@@ -173,15 +165,17 @@ def test_bad_dtype_or_device_is_one_error_line(
     assert not (tmp_path / "run").exists()
 
 
-def test_layerwise_compares_a_quantized_artifact_in_its_run(tiny_llama: Path, tmp_path: Path, cli) -> None:
+def test_layerwise_compares_a_quantized_artifact_in_its_run(
+    tiny_llama: Path, quantized_run, tmp_path: Path, cli
+) -> None:
     """`adapt RUN --layerwise` on a W4A4 artifact: transformers' layers under compressed-tensors,
     one at a time, each against its floor."""
-    from artifacts import quantize_into
+    from build_once import copy_of
 
     from onboard.recipes import Calibration, Quantize
 
-    run = tmp_path / "run"
-    quantize_into(run, tiny_llama, Quantize(scheme="nvfp4", calibration=Calibration(num_samples=2, max_seq_length=64)))
+    settings = Quantize(scheme="nvfp4", calibration=Calibration(num_samples=2, max_seq_length=64))
+    run = copy_of(quantized_run(tiny_llama, settings), tmp_path / "run")
     code, out, err = cli("adapt", str(run), "--layerwise")
     assert code == 0, err
     result = json.loads((run / "adapt" / "layerwise.json").read_text())

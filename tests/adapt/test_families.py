@@ -15,10 +15,25 @@ MLA_FIXTURES = [f"tiny_{arch}" for arch in tiny_models.MLA_ARCHS]
 PROMPTS = 4
 
 
+@pytest.fixture(scope="module")
+def whole_parity(request: pytest.FixtureRequest):
+    """`measure_parity` on the first PROMPTS parity prompts, once per (fixture, dtype) in this module."""
+    done: dict[tuple[str, torch.dtype], dict] = {}
+
+    def measured(arch: str, dtype: torch.dtype) -> dict:
+        if (arch, dtype) not in done:
+            done[arch, dtype] = measure_parity(
+                inspect_checkpoint(request.getfixturevalue(arch)), dtype, num_prompts=PROMPTS
+            )
+        return done[arch, dtype]
+
+    return measured
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("arch", MLA_FIXTURES)
-def test_whole_model_parity(arch: str, dtype: torch.dtype, request) -> None:
-    result = measure_parity(inspect_checkpoint(request.getfixturevalue(arch)), dtype, num_prompts=PROMPTS)
+def test_whole_model_parity(arch: str, dtype: torch.dtype, whole_parity) -> None:
+    result = whole_parity(arch, dtype)
     assert result["engine_model"] == "DeepseekV3Model" and result["numerics"] == "exact"
     assert result["max_abs_logit_diff"] <= 1e-4  # exact numerics: the prefill is transformers' own
     assert result["top1_agreement"] == 1.0
@@ -61,13 +76,13 @@ def _prompts(path: Path) -> list[list[int]]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3_moe", *MLA_FIXTURES])
-def test_layerwise_parity_agrees_with_whole_model(arch: str, dtype: torch.dtype, request) -> None:
+def test_layerwise_parity_agrees_with_whole_model(arch: str, dtype: torch.dtype, request, whole_parity) -> None:
     path = request.getfixturevalue(arch)
     layerwise = measure_layerwise(path, _prompts(path), dtype)
     config_layers = len(layerwise["layers"])
     assert config_layers == (tiny_models.DEEPSEEK_LAYERS if "deepseek" in arch or "glm" in arch else 2)
     assert layerwise["passed"] and layerwise["first_failing_layer"] is None
-    whole = measure_parity(inspect_checkpoint(path), dtype, num_prompts=2)
+    whole = whole_parity(arch, dtype)  # PROMPTS prompts, the layerwise ones among them
     # Both proofs agree: whole-model logits match exactly where every layer does.
     assert whole["max_abs_logit_diff"] <= 1e-4 and layerwise["max_abs_diff"] <= 1e-4
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from artifacts import quantize_into
 
 from onboard.adapt.layerwise import MAX_LINEAR_RATIO, measure_layerwise
 from onboard.adapt.stage import measure_parity, parity_prompts
@@ -27,8 +26,8 @@ BROKEN = 1  # the decoder layer broken (or recomputed) on purpose
 
 
 @pytest.fixture(scope="module")
-def w4a4(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
-    return quantize_into(tmp_path_factory.mktemp("w4a4"), tiny_llama, Quantize(scheme="nvfp4", calibration=CALIB))
+def w4a4(quantized_run, tiny_llama: Path) -> Path:
+    return quantized_run(tiny_llama, Quantize(scheme="nvfp4", calibration=CALIB)) / "artifact"
 
 
 def _patch_layer(monkeypatch: pytest.MonkeyPatch, change) -> None:
@@ -107,10 +106,10 @@ def test_the_rule_needs_the_unquantized_source(w4a4: Path) -> None:
         measure_parity(inspect_checkpoint(w4a4), torch.bfloat16, num_prompts=1)
 
 
-def test_a_quantized_moe_artifact_runs_layer_by_layer(tmp_path: Path, tiny_qwen3_moe: Path) -> None:
+def test_a_quantized_moe_artifact_runs_layer_by_layer(quantized_run, tiny_qwen3_moe: Path) -> None:
     recipe, _ = recipe_for(["Qwen3MoeForCausalLM"])
     settings = Quantize.model_validate({**recipe.quantize.model_dump(), "calibration": CALIB.model_dump()})
-    artifact = quantize_into(tmp_path / "moe", tiny_qwen3_moe, settings)
+    artifact = quantized_run(tiny_qwen3_moe, settings) / "artifact"
     result = measure_layerwise(artifact, _prompts(artifact), torch.bfloat16)
     assert result["passed"], result["layers"]
     assert result["max_linear_ratio"] == 0.0  # every expert linear on its own routed tokens: bitwise

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import tiny_models
 import torch
-from artifacts import quantize_into
 
 from onboard.adapt.parity import compare_greedy
 from onboard.engine import EngineConfig, LLMEngine, SamplingParams
@@ -125,11 +124,11 @@ def test_fast_numerics_is_batch_invariant(arch: str, request) -> None:
     assert [mixed[1].token_ids, mixed[3].token_ids] == [alone[0], alone[1]]
 
 
-def test_a_w4a4_artifact_is_batch_invariant_in_fast_numerics(tmp_path: Path, tiny_llama: Path) -> None:
+def test_a_w4a4_artifact_is_batch_invariant_in_fast_numerics(quantized_run, tiny_llama: Path) -> None:
     """Every linear that feeds a quantizer runs tiled (where a tile size is invariant here): a
     request's tokens alone equal its tokens batched, with the prefix cache warm (fewer rows in its
     prefill), and among sampled requests."""
-    artifact = quantize_into(tmp_path, tiny_llama, Quantize(scheme="nvfp4", calibration=Calibration(num_samples=2)))
+    artifact = quantized_run(tiny_llama, Quantize(scheme="nvfp4", calibration=Calibration(num_samples=2))) / "artifact"
     fast = make_engine(artifact, torch.bfloat16, "fast", enable_prefix_caching=True)
     for row in fast.kernel_report:
         if row["feeds_quantizer"] and any(t["invariant"] for t in row["tiles"]):

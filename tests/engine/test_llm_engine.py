@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import tiny_models
 import torch
-from artifacts import quantize_into
 from hf_reference import TOP, hf_greedy
 
 from onboard.adapt.parity import GreedyComparison, compare_greedy, compare_logits
@@ -172,16 +171,9 @@ def test_bf16_greedy_and_logits_match_transformers(arch: str, request: pytest.Fi
 
 
 @pytest.fixture(scope="module")
-def quantized(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, Quantize, str], Path]:
-    """The quantize stage's artifact, built once per (checkpoint, settings) in this module."""
-    done: dict[str, Path] = {}
-
-    def build(checkpoint_dir: Path, settings: Quantize, label: str) -> Path:
-        if label not in done:
-            done[label] = quantize_into(tmp_path_factory.mktemp(f"engine_{label}"), checkpoint_dir, settings)
-        return done[label]
-
-    return build
+def quantized(quantized_run) -> Callable[[Path, Quantize], Path]:
+    """The quantize stage's artifact for (checkpoint, settings), built once."""
+    return lambda checkpoint_dir, settings: quantized_run(checkpoint_dir, settings) / "artifact"
 
 
 def moe_recipe_settings() -> Quantize:
@@ -199,7 +191,7 @@ def test_quantized_artifact_matches_transformers(
 ) -> None:
     original = request.getfixturevalue(arch)
     settings = moe_recipe_settings() if arch == "tiny_qwen3_moe" else Quantize(scheme=scheme, calibration=CALIB)
-    artifact = quantized(original, settings, f"{arch}_{scheme}")
+    artifact = quantized(original, settings)
     engine = make_engine(artifact, enable_prefix_caching=False)
     model = load_model(inspect_checkpoint(artifact))
     bf16 = load_model(inspect_checkpoint(original))

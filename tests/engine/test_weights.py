@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import tiny_models
 import torch
-from artifacts import quantize_into
 from artifacts import stored_tensors as stored
 from compressed_tensors.quantization.lifecycle.forward import forward_quantize
 
@@ -35,9 +34,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.fixture(scope="module")
 def artifacts(
-    tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, tiny_qwen3_moe: Path
+    tmp_path_factory: pytest.TempPathFactory, quantized_run, tiny_llama: Path, tiny_qwen3_moe: Path
 ) -> Callable[[str], Path]:
-    """Artifact directories by label, each quantized once per module, on first use."""
+    """Artifact directories by label, each quantized once, on first use."""
     settings = {
         "nvfp4": (tiny_llama, Quantize(scheme="nvfp4", calibration=CALIB)),
         "nvfp4a16": (tiny_llama, Quantize(scheme="nvfp4a16", calibration=CALIB)),
@@ -53,12 +52,10 @@ def artifacts(
 
     def get(label: str) -> Path:
         if label not in done:
-            root = tmp_path_factory.mktemp(f"engine_{label}")
             if label == "mixed_precision":
-                done[label] = _mixed_precision(tiny_llama, root / "artifact")
+                done[label] = _mixed_precision(tiny_llama, tmp_path_factory.mktemp(f"engine_{label}") / "artifact")
             else:
-                checkpoint, quantize = settings[label]
-                done[label] = quantize_into(root, checkpoint, quantize)
+                done[label] = quantized_run(*settings[label]) / "artifact"
         return done[label]
 
     return get

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from artifacts import quantize_into
+from build_once import copy_of
 
 from onboard.evaluate.kl import KLStats
 from onboard.evaluate.logits import logit_chunks
@@ -20,17 +20,23 @@ EVAL = Eval(max_tokens=1024, window=64, per_layer_tokens=256)
 LAYER_0 = ["re:.*layers\\.0\\..*"]
 
 
-def evaluated(root: Path, tiny_llama: Path, settings: Quantize) -> dict:
-    quantize_into(root, tiny_llama, settings)
+@pytest.fixture(scope="module")
+def quantized_copy(quantized_run, tiny_llama: Path):
+    """A private copy, at `root`, of the shared run that quantized tiny_llama with `settings`."""
+    return lambda root, settings: copy_of(quantized_run(tiny_llama, settings), root)
+
+
+def evaluated(root: Path, quantized_copy, settings: Quantize) -> dict:
+    quantized_copy(root, settings)
     with RunDir(root) as run:
         run_eval(run, EVAL, None)
     return json.loads((root / "eval/kl.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def uniform(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> tuple[Path, dict]:
-    root = tmp_path_factory.mktemp("uniform")
-    return root, evaluated(root, tiny_llama, Quantize(calibration=CALIB))
+def uniform(tmp_path_factory: pytest.TempPathFactory, quantized_copy) -> tuple[Path, dict]:
+    root = tmp_path_factory.mktemp("uniform") / "run"
+    return root, evaluated(root, quantized_copy, Quantize(calibration=CALIB))
 
 
 def test_per_layer_rows(uniform) -> None:
@@ -60,19 +66,19 @@ def test_full_kld_is_the_artifacts_kl_on_the_same_tokens(uniform, tiny_llama: Pa
     assert result["per_layer"]["full_kld"] == pytest.approx(stats.summary()["mean_kld"], rel=1e-2)
 
 
-def test_a_layer_kept_in_bf16_adds_nothing(tmp_path: Path, tiny_llama: Path) -> None:
-    result = evaluated(tmp_path, tiny_llama, Quantize(formats={"bf16": LAYER_0}, calibration=CALIB))
+def test_a_layer_kept_in_bf16_adds_nothing(tmp_path: Path, quantized_copy) -> None:
+    result = evaluated(tmp_path / "run", quantized_copy, Quantize(formats={"bf16": LAYER_0}, calibration=CALIB))
     first, second = result["per_layer"]["layers"]
     assert first["formats"] == {"bf16": 7}
     assert first["alone_kld"] < 1e-6 and first["running_kld"] < 1e-6
     assert second["alone_kld"] == second["running_kld"] == result["per_layer"]["full_kld"] > 0
 
 
-def test_per_layer_can_be_switched_off(tmp_path: Path, tiny_llama: Path) -> None:
-    quantize_into(tmp_path, tiny_llama, Quantize(scheme="nvfp4a16", calibration=CALIB))
-    with RunDir(tmp_path) as run:
+def test_per_layer_can_be_switched_off(tmp_path: Path, quantized_copy) -> None:
+    root = quantized_copy(tmp_path / "run", Quantize(scheme="nvfp4a16", calibration=CALIB))
+    with RunDir(root) as run:
         run_eval(run, EVAL.model_copy(update={"per_layer_tokens": 0}), None)
-    assert "per_layer" not in json.loads((tmp_path / "eval/kl.json").read_text())
+    assert "per_layer" not in json.loads((root / "eval/kl.json").read_text())
 
 
 def test_batch_windows_take_traffic_types_in_turn() -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from artifacts import quantize_into
+from build_once import copy_of
 
 from onboard.budget import estimate, model_shape
 from onboard.evaluate import streamed
@@ -37,12 +37,16 @@ def evaluate(run_root: Path, max_memory: int | None) -> tuple[str, dict]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_streamed_eval_equals_in_memory(family: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+def test_streamed_eval_equals_in_memory(
+    family: str, request: pytest.FixtureRequest, quantized_run, tmp_path: Path
+) -> None:
     """Bitwise: the same layers in the same order on the same rows, and the same logit chunks."""
     checkpoint = request.getfixturevalue(family)
-    in_memory_root, streamed_root = tmp_path / "in_memory", tmp_path / "streamed"
-    quantize_into(in_memory_root, checkpoint, Quantize(calibration=CALIB))
-    shutil.copytree(in_memory_root, streamed_root)
+    quantized = quantized_run(checkpoint, Quantize(calibration=CALIB))
+    in_memory_root, streamed_root = (
+        copy_of(quantized, tmp_path / "in_memory"),
+        copy_of(quantized, tmp_path / "streamed"),
+    )
     budget = streaming_budget(checkpoint, streamed_root / "artifact", EVAL)
     assert eval_plan(checkpoint, streamed_root / "artifact", EVAL, budget).path == "streamed"
 
@@ -78,8 +82,8 @@ def test_reference_states_are_cached_and_rebuilt(tiny_llama: Path, tmp_path: Pat
     assert not torch.equal(changed[0], first[0])
 
 
-def test_streamed_passes_hold_one_layer_per_model(tiny_deepseek_v3: Path, tmp_path: Path) -> None:
-    artifact = quantize_into(tmp_path / "run", tiny_deepseek_v3, Quantize(calibration=CALIB))
+def test_streamed_passes_hold_one_layer_per_model(tiny_deepseek_v3: Path, quantized_run) -> None:
+    artifact = quantized_run(tiny_deepseek_v3, Quantize(calibration=CALIB)) / "artifact"
     ids = torch.randint(3, 500, (2, 32), generator=torch.Generator().manual_seed(0))
     model = StreamedModel(artifact)
     model.final_hidden([ids], "test")
@@ -100,11 +104,10 @@ def test_streamed_passes_hold_one_layer_per_model(tiny_deepseek_v3: Path, tmp_pa
     assert [m.parts.peak_layers for m in models] == [1, 1]
 
 
-def test_over_budget_even_streamed_refuses_before_writing(tiny_llama: Path, tmp_path: Path) -> None:
+def test_over_budget_even_streamed_refuses_before_writing(tiny_llama: Path, quantized_run, tmp_path: Path) -> None:
     from onboard.errors import OnboardError
 
-    root = tmp_path / "run"
-    quantize_into(root, tiny_llama, Quantize(calibration=CALIB))
+    root = copy_of(quantized_run(tiny_llama, Quantize(calibration=CALIB)), tmp_path / "run")
     refusal = r"^eval needs about .* streamed, over the .* budget \(--max-memory\)"
     with pytest.raises(OnboardError, match=refusal), RunDir(root) as run:
         run_eval(run, EVAL, None, max_memory=1000)

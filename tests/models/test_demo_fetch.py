@@ -212,22 +212,12 @@ def test_demo_checkpoint_first_use_offline(
     assert (checkpoint / "model.safetensors").stat().st_mtime_ns == mtime
 
 
-def test_demo_fetch_only_prints_the_cached_path_last(cache: Path, tmp_path: Path) -> None:
+def test_demo_fetch_only_prints_the_cached_path_last(cache: Path, tmp_path: Path, onboard_process) -> None:
     checkpoint = _seed_demo_cache(cache)
     env = {**os.environ, "ONBOARD_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    script = Path(sys.executable).with_name("onboard")
-    command = [str(script)] if script.is_file() else [sys.executable, "-c", "from onboard.cli import main; main()"]
     work = tmp_path / "cwd"
     work.mkdir()
-    result = subprocess.run(
-        [*command, "demo", "--fetch-only"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=work,
-        check=False,
-        timeout=120,
-    )
+    result = onboard_process.run(["demo", "--fetch-only"], env=env, cwd=work)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert lines, result.stderr

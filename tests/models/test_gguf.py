@@ -312,24 +312,12 @@ def test_truncated_gguf_header_is_an_onboard_error(keep: int, tiny_gguf: Path, t
     _assert_one_line_error(err, bad)
 
 
-def test_corrupt_gguf_from_the_cli_is_one_line(tmp_path: Path) -> None:
+def test_corrupt_gguf_from_the_cli_is_one_line(tmp_path: Path, onboard_process) -> None:
     """The CLI turns the OnboardError into `onboard: error: ...` and exit status 2."""
-    import subprocess
-    import sys
-
     bad = tmp_path / "corrupt.gguf"
     bad.write_bytes(_random_bytes(4096))
     env = {**os.environ, "ONBOARD_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
-    code = "from onboard.cli import main; main()"
-    result = subprocess.run(
-        [sys.executable, "-c", code, "quantize", str(bad), "--out", str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        check=False,
-        timeout=120,
-    )
+    result = onboard_process.run(["quantize", str(bad), "--out", str(tmp_path / "run")], env=env, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("onboard: error:")]
     assert len(errors) == 1, result.stderr

@@ -11,9 +11,7 @@ from transformers import AutoConfig, AutoTokenizer
 from onboard.errors import OnboardError
 from onboard.models import inspect_checkpoint, load_model, load_tokenizer, resolve_model
 from onboard.models.tokens import fix_special_tokens
-from onboard.quantize.stage import run_quantize
 from onboard.recipes import Calibration, Quantize
-from onboard.workspace import RunDir
 
 # FP4 E2M1 code points (OCP microscaling spec).
 E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
@@ -119,12 +117,9 @@ def test_resolve_model_rejects_what_it_cannot_load(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def artifact(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("run_loading")
+def artifact(tiny_llama: Path, quantized_run) -> Path:
     settings = Quantize(scheme="nvfp4", calibration=Calibration(num_samples=2, max_seq_length=64))
-    with RunDir(root) as run:
-        run_quantize(run, inspect_checkpoint(tiny_llama), settings, None)
-    return root / "artifact"
+    return quantized_run(tiny_llama, settings) / "artifact"
 
 
 def stored_tensors(directory: Path) -> dict[str, torch.Tensor]:

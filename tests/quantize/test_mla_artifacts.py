@@ -9,15 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from artifacts import stored_tensors
+from artifacts import IN_MEMORY_LOGITS, logits_of, reference_ids, stage_entry, stored_tensors
 
-from onboard.models import inspect_checkpoint, load_model, load_tokenizer
-from onboard.quantize import modifiers
+from onboard.models import inspect_checkpoint, load_model
 from onboard.quantize.bits import layer_bits
 from onboard.quantize.schemes import SCHEMES
-from onboard.quantize.stage import run_quantize
 from onboard.recipes import Calibration, Quantize, recipe_for
-from onboard.workspace import RunDir
 
 ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
@@ -35,10 +32,6 @@ CONFIG_FORMAT = {
     "mixed": "mixed-precision",
 }
 CALIB = Calibration(num_samples=2, max_seq_length=64)
-TEXT = (
-    "The weather today is cloudy with a chance of rain. def fibonacci(n): return n if n < 2 "
-    "else fibonacci(n - 1) + fibonacci(n - 2). The capital of France is Paris."
-)
 BF16_ATTENTION = ("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # the recipes' MLA decisions
 CASES = [(arch, fmt) for arch in ARCHITECTURES for fmt in FORMATS]
 
@@ -64,36 +57,16 @@ def settings_for(arch: str, fmt: str) -> Quantize:
     return Quantize.model_validate(data)
 
 
-@torch.no_grad()
-def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
-    return model(ids).logits[0].float()
-
-
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
-    """One quantize-stage run per (family, format) in this module. The stage's own oneshot call
-    is wrapped to keep the logits of the model it quantized: the in-memory reference."""
-    done: dict[tuple[str, str], Built] = {}
+def built(quantized_run, request: pytest.FixtureRequest):
+    """The quantize stage's run per (family, format), shared with the other modules, and the logits
+    of the model it quantized in memory (`artifacts.quantize_into` keeps them)."""
 
     def build(arch: str, fmt: str) -> Built:
-        if (arch, fmt) not in done:
-            source = request.getfixturevalue(f"tiny_{arch}")
-            ids = torch.tensor([load_tokenizer(inspect_checkpoint(source))(TEXT)["input_ids"]])
-            kept: dict[str, torch.Tensor] = {}
-            apply = modifiers.apply
-
-            def apply_and_keep(model, *args, **kwargs) -> None:
-                apply(model, *args, **kwargs)
-                kept["logits"] = logits_of(model, ids)
-
-            root = tmp_path_factory.mktemp(f"{arch}_{fmt}")
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(modifiers, "apply", apply_and_keep)
-                with RunDir(root) as run:
-                    entry = run_quantize(run, inspect_checkpoint(source), settings_for(arch, fmt), None)
-            assert entry["status"] == "done"
-            done[(arch, fmt)] = Built(root, entry, source, ids, kept["logits"])
-        return done[(arch, fmt)]
+        source = request.getfixturevalue(f"tiny_{arch}")
+        root = quantized_run(source, settings_for(arch, fmt))
+        in_memory = torch.load(root / IN_MEMORY_LOGITS)
+        return Built(root, stage_entry(root, "quantize"), source, reference_ids(source), in_memory)
 
     return build
 

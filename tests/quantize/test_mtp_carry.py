@@ -15,21 +15,19 @@ from onboard.adapt.parity import compare_greedy
 from onboard.engine.config import EngineConfig
 from onboard.engine.llm_engine import LLMEngine
 from onboard.engine.sampler import SamplingParams
-from onboard.models import inspect_checkpoint
 from onboard.models.headers import safetensors_entries
 from onboard.models.mtp import mtp_entries
 from onboard.quantize.mtp_carry import MtpLost, check_mtp_kept
-from onboard.quantize.stage import run_quantize
 from onboard.recipes import Calibration, Quantize, recipe_for
 from onboard.speculator.drafts import load_draft
 from onboard.speculator.mtp_draft import load_mtp_draft
-from onboard.workspace import RunDir
 
 FAMILIES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 MTP = f"model.layers.{tiny_models.DEEPSEEK_LAYERS}"  # after the main layers
 
 
-def quantize(source: Path, root: Path, scheme: str) -> dict:
+def settings(source: Path, scheme: str) -> Quantize:
+    """The family's recipe in `scheme`, calibrated on two short samples."""
     config = json.loads((source / "config.json").read_text())
     recipe, _ = recipe_for(config["architectures"])
     data = {
@@ -37,22 +35,16 @@ def quantize(source: Path, root: Path, scheme: str) -> dict:
         "scheme": scheme,
         "calibration": Calibration(num_samples=2, max_seq_length=64).model_dump(),
     }
-    with RunDir(root) as run:
-        entry = run_quantize(run, inspect_checkpoint(source), Quantize.model_validate(data), None)
-    assert entry["status"] == "done"
-    return entry
+    return Quantize.model_validate(data)
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
-    done: dict[str, Path] = {}
+def artifacts(quantized_run, request: pytest.FixtureRequest):
+    """(source, shared run directory) of the family's MTP model quantized to NVFP4. Do not modify."""
 
     def build(arch: str) -> tuple[Path, Path]:
         source = request.getfixturevalue(f"tiny_mtp_{arch}")
-        if arch not in done:
-            done[arch] = tmp_path_factory.mktemp(f"mtp_{arch}")
-            quantize(source, done[arch], "nvfp4")
-        return source, done[arch]
+        return source, quantized_run(source, settings(source, "nvfp4"))
 
     return build
 
@@ -134,15 +126,15 @@ def test_an_artifact_without_the_mtp_layers_is_refused(artifacts, tmp_path: Path
     assert check_mtp_kept(source, changed, byte_equal=False)["kept"]  # a retrained head keeps its shape
 
 
-def test_a_declared_but_absent_mtp_layer_is_not_claimed_by_the_artifact(tiny_deepseek_v3: Path, tmp_path: Path) -> None:
+def test_a_declared_but_absent_mtp_layer_is_not_claimed_by_the_artifact(tiny_deepseek_v3: Path, quantized_run) -> None:
     """tiny_deepseek_v3 declares transformers' default of one MTP layer and holds none (as a
     checkpoint re-saved through transformers does): its artifact declares none, so no server looks."""
     assert json.loads((tiny_deepseek_v3 / "config.json").read_text())["num_nextn_predict_layers"] == 1
-    quantize(tiny_deepseek_v3, tmp_path, "nvfp4a16")
-    config = json.loads((tmp_path / "artifact/config.json").read_text())
+    root = quantized_run(tiny_deepseek_v3, settings(tiny_deepseek_v3, "nvfp4a16"))  # test_mla_artifacts' run too
+    config = json.loads((root / "artifact/config.json").read_text())
     assert config["num_nextn_predict_layers"] == 0
-    assert not list((tmp_path / "artifact").glob("mtp-*"))
-    assert json.loads((tmp_path / "quantize/selection.json").read_text())["mtp"]["declared"] == 1
+    assert not list((root / "artifact").glob("mtp-*"))
+    assert json.loads((root / "quantize/selection.json").read_text())["mtp"]["declared"] == 1
 
 
 def test_the_gate_checks_the_mtp_layers_are_still_in_the_artifact(artifacts, tmp_path: Path) -> None:

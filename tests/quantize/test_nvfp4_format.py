@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from artifacts import quantize_into, stored_tensors
+from artifacts import stored_tensors
 from transformers import AutoModelForCausalLM
 
 from onboard.models import inspect_checkpoint, load_model, load_tokenizer
@@ -23,10 +23,10 @@ FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> dict[str, Path]:
+def artifacts(quantized_run, tiny_llama: Path) -> dict[str, Path]:
     return {
-        "uniform": quantize_into(tmp_path_factory.mktemp("uniform"), tiny_llama, Quantize(calibration=CALIB)),
-        "mixed": quantize_into(tmp_path_factory.mktemp("mixed"), tiny_llama, Quantize(formats=PINS, calibration=CALIB)),
+        "uniform": quantized_run(tiny_llama, Quantize(calibration=CALIB)) / "artifact",
+        "mixed": quantized_run(tiny_llama, Quantize(formats=PINS, calibration=CALIB)) / "artifact",
     }
 
 

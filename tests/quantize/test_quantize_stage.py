@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import tiny_models
 import torch
+from artifacts import stage_entry
 from artifacts import stored_tensors as tensors
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -17,9 +18,7 @@ from onboard.evaluate.kl import KLStats
 from onboard.models import inspect_checkpoint, load_model, load_tokenizer
 from onboard.quantize.calibration import calibration_dataset
 from onboard.quantize.patterns import matches
-from onboard.quantize.stage import run_quantize
 from onboard.recipes import Calibration, Quantize, recipe_for
-from onboard.workspace import RunDir
 
 CALIB = Calibration(num_samples=2, max_seq_length=64)
 LINEARS_PER_DENSE_LAYER = 7  # q, k, v, o, gate, up, down
@@ -64,27 +63,19 @@ def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def quantized(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Callable[..., tuple[Path, dict[str, Any]]]:
-    """Run the quantize stage once per (checkpoint, settings) in this module."""
-    done: dict[str, tuple[Path, dict[str, Any]]] = {}
+def quantized(quantized_run) -> Callable[..., tuple[Path, dict[str, Any]]]:
+    """The quantize stage's run directory (shared, read-only) and its manifest entry."""
 
-    def run(checkpoint_dir: Path, settings: Quantize, label: str) -> tuple[Path, dict[str, Any]]:
-        if label not in done:
-            root = tmp_path_factory.mktemp(f"run_{label}")
-            with RunDir(root) as run_dir:
-                entry = run_quantize(run_dir, inspect_checkpoint(checkpoint_dir), settings, None)
-            assert entry["status"] == "done"
-            done[label] = (root, entry)
-        return done[label]
+    def run(checkpoint_dir: Path, settings: Quantize) -> tuple[Path, dict[str, Any]]:
+        root = quantized_run(checkpoint_dir, settings)
+        return root, stage_entry(root, "quantize")
 
     return run
 
 
 @pytest.fixture(scope="module")
 def llama_nvfp4(quantized, tiny_llama: Path):
-    return quantized(tiny_llama, Quantize(scheme="nvfp4", calibration=CALIB), "llama_nvfp4")
+    return quantized(tiny_llama, Quantize(scheme="nvfp4", calibration=CALIB))
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +249,7 @@ def test_moe_round_trip_matches_the_in_memory_model(moe_nvfp4, tiny_qwen3_moe: P
 @pytest.fixture(scope="module")
 def llama_weight_only(quantized, tiny_llama: Path):
     def run(scheme: str):
-        return quantized(tiny_llama, Quantize(scheme=scheme, calibration=CALIB), f"llama_{scheme}")
+        return quantized(tiny_llama, Quantize(scheme=scheme, calibration=CALIB))
 
     return run
 
@@ -321,7 +312,7 @@ def moe_nvfp4(quantized, tiny_qwen3_moe: Path):
     recipe, path = recipe_for(["Qwen3MoeForCausalLM"])
     assert path is not None and path.name == "qwen3_moe.yaml"
     settings = Quantize.model_validate({**recipe.quantize.model_dump(), "calibration": CALIB.model_dump()})
-    return quantized(tiny_qwen3_moe, settings, "moe_nvfp4"), settings
+    return quantized(tiny_qwen3_moe, settings), settings
 
 
 def expert_modules(layer: int) -> list[str]:
@@ -382,7 +373,7 @@ def test_moe_reloaded_experts_are_the_stored_ones(moe_nvfp4) -> None:
 
 
 def test_qwen3_tied_embeddings(quantized, tiny_qwen3: Path) -> None:
-    root, entry = quantized(tiny_qwen3, Quantize(scheme="nvfp4", calibration=CALIB), "qwen3_nvfp4")
+    root, entry = quantized(tiny_qwen3, Quantize(scheme="nvfp4", calibration=CALIB))
     reference = tensors(tiny_qwen3)
     stored = tensors(root / "artifact")
     config = json.loads((root / "artifact/config.json").read_text())

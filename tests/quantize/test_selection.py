@@ -315,12 +315,9 @@ def test_search_windows_are_calibration_windows(tiny_llama: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def auto_run(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> tuple[Path, dict]:
-    root = tmp_path_factory.mktemp("auto")
+def auto_run(quantized_run, tiny_llama: Path) -> tuple[Path, dict]:
     settings = Quantize(scheme="auto", bits_budget=5.7, calibration=CALIB, search=Search(tokens=128, steps=4))
-    with RunDir(root) as run:
-        entry = run_quantize(run, inspect_checkpoint(tiny_llama), settings, None)
-    assert entry["status"] == "done"
+    root = quantized_run(tiny_llama, settings)
     return root, json.loads((root / "quantize/selection.json").read_text())
 
 

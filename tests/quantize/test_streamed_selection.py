@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from artifacts import stage_entry
 
 from onboard.budget import estimate, model_shape
 from onboard.models import inspect_checkpoint, load_tokenizer
@@ -46,11 +47,15 @@ def selected(root: Path, checkpoint: Path, max_memory: int | None) -> tuple[dict
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_streamed_selection_equals_in_memory(family: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+def test_streamed_selection_equals_in_memory(
+    family: str, request: pytest.FixtureRequest, quantized_run, tmp_path: Path
+) -> None:
     checkpoint = request.getfixturevalue(family)
     budget = streaming_budget(checkpoint)
     assert quantize_plan(inspect_checkpoint(checkpoint), SETTINGS, budget).path == "streamed"
-    metrics_a, a = selected(tmp_path / "a", checkpoint, None)
+    in_memory = quantized_run(checkpoint, SETTINGS)  # the same run test_selection.py reads
+    metrics_a = stage_entry(in_memory, "quantize")["metrics"]
+    a = json.loads((in_memory / "quantize/selection.json").read_text())
     metrics_b, b = selected(tmp_path / "b", checkpoint, budget)
     assert (metrics_a["memory_path"], metrics_b["memory_path"]) == ("in-memory", "streamed")
     assert b["sensitivity"]["fisher_note"] == FISHER_STREAMED
@@ -62,8 +67,8 @@ def test_streamed_selection_equals_in_memory(family: str, request: pytest.Fixtur
         for key in UNSHARED:
             record["sensitivity"].pop(key, None)
     assert a == b  # every measured KL bit for bit, the search's trace, the groups' formats
-    for name in sorted(p.name for p in (tmp_path / "a/artifact").iterdir()):
-        assert (tmp_path / "a/artifact" / name).read_bytes() == (tmp_path / "b/artifact" / name).read_bytes(), name
+    for name in sorted(p.name for p in (in_memory / "artifact").iterdir()):
+        assert (in_memory / "artifact" / name).read_bytes() == (tmp_path / "b/artifact" / name).read_bytes(), name
     assert not list((tmp_path / "b").rglob("offload")), "the offload folders are removed"
 
 

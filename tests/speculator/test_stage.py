@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from artifacts import quantize_into
+from build_once import copy_of
 
 from onboard.errors import OnboardError
 from onboard.recipes import Calibration, Quantize, SpeculatorSettings
@@ -47,9 +47,13 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> SpeculatorSettings:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tiny_llama: Path, settings: SpeculatorSettings, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("spec_run")
-    quantize_into(root, tiny_llama, Quantize(scheme="nvfp4", calibration=Calibration(num_samples=2, max_seq_length=64)))
+def run_dir(
+    tiny_llama: Path, quantized_run, settings: SpeculatorSettings, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    quantized = quantized_run(
+        tiny_llama, Quantize(scheme="nvfp4", calibration=Calibration(num_samples=2, max_seq_length=64))
+    )
+    root = copy_of(quantized, tmp_path_factory.mktemp("spec_run") / "run")
     with RunDir(root) as run:
         entry = run_speculator(run, settings, None)
     assert entry["status"] == "done"

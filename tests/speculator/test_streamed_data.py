@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from artifacts import quantize_into
 from safetensors.torch import load_file
 
 from onboard.budget import model_shape
@@ -55,11 +54,11 @@ SETTINGS = SpeculatorSettings(
 
 
 @pytest.fixture(scope="module")
-def quantized(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def quantized(tiny_llama: Path, quantized_run) -> Path:
     """A run directory whose quantize stage made an NVFP4 artifact of tiny_llama (do not modify)."""
-    root = tmp_path_factory.mktemp("streamed_run")
-    quantize_into(root, tiny_llama, Quantize(scheme="nvfp4", calibration=Calibration(num_samples=2, max_seq_length=64)))
-    return root
+    return quantized_run(
+        tiny_llama, Quantize(scheme="nvfp4", calibration=Calibration(num_samples=2, max_seq_length=64))
+    )
 
 
 @pytest.fixture

@@ -62,9 +62,8 @@ def _spawn(worker: Callable, *args: Any) -> None:
     mp.spawn(worker, args=(port, *args), nprocs=WORLD)
 
 
-def _train(rank: int, port: int, draft: Eagle3Draft, data: Path, head: torch.Tensor, outs: list[Path]) -> None:
+def _train(rank: int, draft: Eagle3Draft, data: Path, head: torch.Tensor, outs: list[Path]) -> None:
     """`train_draft` from the draft's weights into each of `outs` (checkpoint: `out/checkpoint`)."""
-    _as_rank(rank, port)
     start = {k: v.clone() for k, v in draft.state_dict().items()}
     for out in outs:
         draft.load_state_dict(start)
@@ -122,20 +121,38 @@ def reference(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Ref
 
 
 @pytest.fixture(scope="module")
-def two(reference: Reference, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list, dict]]:
-    """Rank 0's history and weights of 2 processes training from scratch ("fresh") and from one
-    process's checkpoint after epoch 2 ("resumed"); every rank's are checked to be rank 0's."""
+def spawned(reference: Reference, tiny_llama: Path, quantized_run, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The two processes, started once for every test here (each start costs an interpreter's
+    imports): they train from scratch ("fresh") and from one process's checkpoint after epoch 2
+    ("resumed"), then run the speculator stage on a copy of a quantized run ("stage/run")."""
+    from build_once import copy_of
+
     root = tmp_path_factory.mktemp("two")
     shutil.copytree(reference.after_epoch_2, root / "resumed" / "checkpoint")
     (root / "fresh").mkdir()
-    _spawn(_train, reference.draft, reference.data, reference.head, [root / "fresh", root / "resumed"])
+    settings = Quantize(scheme="nvfp4", calibration=Calibration(num_samples=2, max_seq_length=64))
+    copy_of(quantized_run(tiny_llama, settings), root / "stage" / "run")
+    _spawn(_both, reference.draft, reference.data, reference.head, root)
+    return root
+
+
+def _both(rank: int, port: int, draft: Eagle3Draft, data: Path, head: torch.Tensor, root: Path) -> None:
+    _as_rank(rank, port)
+    _train(rank, draft, data, head, [root / "fresh", root / "resumed"])
+    _stage(rank, root / "stage" / "run")
+
+
+@pytest.fixture(scope="module")
+def two(spawned: Path) -> dict[str, tuple[list, dict]]:
+    """Rank 0's history and weights of 2 processes training from scratch ("fresh") and from one
+    process's checkpoint after epoch 2 ("resumed"); every rank's are checked to be rank 0's."""
     found = {}
     for name in ("fresh", "resumed"):
-        histories = [json.loads((root / name / f"history-{r}.json").read_text()) for r in range(WORLD)]
-        weights = [load_file(str(root / name / f"weights-{r}.safetensors")) for r in range(WORLD)]
+        histories = [json.loads((spawned / name / f"history-{r}.json").read_text()) for r in range(WORLD)]
+        weights = [load_file(str(spawned / name / f"weights-{r}.safetensors")) for r in range(WORLD)]
         assert histories[1] == histories[0]  # the metrics are global ones, the same on every rank
         assert all(torch.equal(weights[1][n], w) for n, w in weights[0].items())  # DDP keeps replicas equal
-        assert json.loads((root / name / "checkpoint" / "meta.json").read_text())["epoch"] == 3  # rank 0's
+        assert json.loads((spawned / name / "checkpoint" / "meta.json").read_text())["epoch"] == 3  # rank 0's
         found[name] = histories[0], weights[0]
     return found
 
@@ -191,21 +208,16 @@ STAGE = SpeculatorSettings(
 )
 
 
-def _stage(rank: int, port: int, root: Path) -> None:
+def _stage(rank: int, root: Path) -> None:
     """The stage, then again (cached on rank 0); the entries each returns."""
-    _as_rank(rank, port)
     entries = [run_speculator(RunDir(root), STAGE, None) for _ in range(2)]  # RunDir's lock: the CLI's
     (root.parent / f"entries-{rank}.json").write_text(json.dumps(entries))
 
 
-def test_two_processes_run_the_stage(tiny_llama: Path, tmp_path: Path) -> None:
+def test_two_processes_run_the_stage(spawned: Path) -> None:
     """Rank 0 captures, exports, measures and writes the run; rank 1 waits for the data and trains."""
-    from artifacts import quantize_into
-
-    root = tmp_path / "run"
-    quantize_into(root, tiny_llama, Quantize(scheme="nvfp4", calibration=Calibration(num_samples=2, max_seq_length=64)))
-    _spawn(_stage, root)
-    main, other = (json.loads((tmp_path / f"entries-{r}.json").read_text()) for r in range(WORLD))
+    root = spawned / "stage" / "run"
+    main, other = (json.loads((root.parent / f"entries-{r}.json").read_text()) for r in range(WORLD))
     assert main[0]["status"] == "done" and main[1] == main[0]  # the second: cached
     assert other == [{}, {}]
     assert read_manifest(root)["stages"]["speculator"]["status"] == "done"

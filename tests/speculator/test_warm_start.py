@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from artifacts import quantize_into
 
 from onboard.engine.config import EngineConfig
 from onboard.engine.llm_engine import LLMEngine
@@ -17,9 +16,8 @@ CONFIG = EngineConfig(block_size=4, num_blocks=256, max_model_len=256)
 
 
 @pytest.fixture(scope="module")
-def nvfp4_artifact(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("warm_nvfp4")
-    return quantize_into(root, tiny_llama, Quantize(scheme="nvfp4", calibration=Calibration(num_samples=2)))
+def nvfp4_artifact(tiny_llama: Path, quantized_run) -> Path:
+    return quantized_run(tiny_llama, Quantize(scheme="nvfp4", calibration=Calibration(num_samples=2))) / "artifact"
 
 
 @pytest.mark.parametrize("which", ["bf16", "nvfp4"])
