@@ -71,7 +71,7 @@ def _sweep(side: str, label: str, tps: Callable[[list[list[int]]], float], promp
 
 
 def _ttft(engine, prompt: list[int]) -> float:
-    from onboard.engine.sampler import SamplingParams
+    from onboard.engine import SamplingParams
 
     return timed(lambda: engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1)))[1]
 

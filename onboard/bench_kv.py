@@ -11,8 +11,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from onboard.engine.config import NUMERICS
-from onboard.engine.kv_cache import KVLayout
+from onboard.engine import NUMERICS, KVLayout
 from onboard.errors import OnboardError
 
 # Published dimensions, as transformers config kwargs (each model's config.json on the Hugging Face
@@ -86,7 +85,7 @@ def expanded_kv_bytes_per_token(config: Any, element_size: int = 2) -> int:
 
 
 def kv_row(name: str) -> dict[str, Any]:
-    from onboard.engine.models import DeepseekV3Model, model_class
+    from onboard.engine import engine_model_name, uses_mla
 
     config = full_size_config(name)
     layout = kv_layout_for(config)
@@ -95,13 +94,13 @@ def kv_row(name: str) -> dict[str, Any]:
     row: dict[str, Any] = {
         "model": name,
         "family": config.model_type,
-        "engine_model": model_class(config).__name__,
+        "engine_model": engine_model_name(config),
         "layout": [{"name": t.name, "shape": list(t.shape), "layers": len(t.layers)} for t in layout.tensors],
         "bytes_per_token": total,
         "bytes_by_tensor": by_tensor,
         "gib_per_128k_tokens": total * LONG_CONTEXT / 2**30,
     }
-    if issubclass(model_class(config), DeepseekV3Model):
+    if uses_mla(config):
         expanded = expanded_kv_bytes_per_token(config, torch.empty((), dtype=layout.dtype).element_size())
         row["expanded_kv_bytes_per_token"] = expanded
         row["expanded_over_engine"] = expanded / total

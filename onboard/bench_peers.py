@@ -2,7 +2,6 @@
 tokens per request whatever the model says (EOS ignored): transformers `generate`, the engine, and
 llama.cpp (llama-cpp-python) on a GGUF file of the same model."""
 
-import json
 import time
 import zipfile
 from collections.abc import Callable
@@ -13,6 +12,7 @@ import torch
 
 from onboard.errors import OnboardError
 from onboard.paths import cache_dir
+from onboard.workspace import RunDir, is_run
 
 LLAMA_CPP_MISSING = "llama-cpp-python is not installed (pip install -e '.[peers]')"
 LLAMA_CPP_CONTEXT = 1024  # prompts are at most bench.MAX_PROMPT_TOKENS, plus the new tokens
@@ -27,7 +27,7 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 def engine_tps(engine, prompts: list[list[int]], new_tokens: int) -> float:
     """Tokens per second of the engine running all `prompts` at once."""
-    from onboard.engine.sampler import SamplingParams
+    from onboard.engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     results, seconds = timed(lambda: engine.generate(prompts, params))
@@ -68,15 +68,13 @@ def _is_demo_model(path: Path) -> bool:
     path = Path(path).resolve()
     if path == demo:
         return True
-    manifest = path.parent / "manifest.json"
-    if path.name != "artifact" or not manifest.is_file():
+    if not is_run(path.parent) or RunDir(path.parent).artifact.resolve() != path:
         return False
     try:
-        stages = json.loads(manifest.read_text()).get("stages") or {}
-        source = ((stages.get("quantize") or {}).get("inputs") or {}).get("model_path")
-    except (OSError, ValueError, AttributeError):
+        source = RunDir(path.parent).source
+    except (OnboardError, AttributeError, KeyError, TypeError):  # an unreadable or hand-edited manifest
         return False
-    return isinstance(source, str) and Path(source).resolve() == demo
+    return source is not None and source.resolve() == demo
 
 
 def demo_gguf() -> tuple[Path | None, str | None]:

@@ -131,14 +131,13 @@ def evaluate(
     artifact), one decoder layer resident at a time."""
     from onboard.evaluate.stage import run_eval
     from onboard.recipes import with_overrides
-    from onboard.workspace import MANIFEST, RunDir
+    from onboard.workspace import RunDir
 
-    run = RunDir(run_dir)
+    # The flags are checked first, against the run's recipe when there is one.
     recipe = with_overrides(
-        run.recipe(), {"--max-tokens": ("eval.max_tokens", max_tokens), "--window": ("eval.window", window)}
+        RunDir(run_dir).recipe(), {"--max-tokens": ("eval.max_tokens", max_tokens), "--window": ("eval.window", window)}
     )
-    if not (run_dir / MANIFEST).is_file():
-        raise OnboardError(f"{run_dir} is not a run directory (no {MANIFEST}); run `onboard quantize` first")
+    run = RunDir.open(run_dir)
     data, budget = existing_data(data), memory_budget(max_memory)
     spec = endpoint_spec(endpoint, served_model, api_key)
     if top_logprobs < 1 and top_logprobs != -1:
@@ -189,10 +188,9 @@ def speculator(
     from onboard.recipes import with_overrides
     from onboard.speculator import parallel
     from onboard.speculator.stage import run_speculator
-    from onboard.workspace import MANIFEST, RunDir
+    from onboard.workspace import RunDir
 
-    if not (run_dir / MANIFEST).is_file():
-        raise OnboardError(f"{run_dir} is not a run directory (no {MANIFEST}); run `onboard quantize` first")
+    run = RunDir.open(run_dir)
     spec = endpoint_spec(endpoint, served_model, api_key)
     if spec is not None:
         training = {
@@ -206,7 +204,6 @@ def speculator(
         given = [flag for flag, value in training.items() if value is not None]
         if given:
             raise OnboardError(f"{', '.join(given)}: options of training; --endpoint only measures the server's")
-    run = RunDir(run_dir)
     recipe = with_overrides(
         run.recipe(),
         {

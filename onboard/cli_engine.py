@@ -61,7 +61,10 @@ def bench(
         ),
     ],
     data: Annotated[Path | None, typer.Option(help="prompts (default: the project's eval split)")] = None,
-    out: Annotated[Path | None, typer.Option(help="also write the figures to this JSON file")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="also write the figures to this JSON file (a run directory's: RUN_DIR/bench/bench.json)"),
+    ] = None,
     speculator: Annotated[
         bool, typer.Option("--speculator", help="measure RUN_DIR/artifact/speculator against the engine alone")
     ] = False,
@@ -155,6 +158,7 @@ def bench(
 
         result = run_bench(checkpoint, existing_data(data), device, gguf=gguf)
         console.print(bench_table(result))
+        out = bench_out(path, out)
     if out:
         atomic.write_json(out, result)
 
@@ -259,7 +263,7 @@ def serve(
         if value is not None:
             raise OnboardError(f"{flag} is an option of --engine vllm|sglang, not of the built-in engine")
 
-    from onboard.engine.config import EngineConfig
+    from onboard.engine import EngineConfig
     from onboard.server import serve as run_server
 
     model_dir = model_dir_of(path)
@@ -291,3 +295,11 @@ def serve(
         speculator=speculator,
         num_speculative_tokens=num_speculative_tokens,
     )
+
+
+def bench_out(path: Path, out: Path | None) -> Path | None:
+    """Where the engine bench's figures go: --out, else a run directory's bench/bench.json (the
+    report's Throughput card), else nowhere."""
+    from onboard.workspace import BENCH, RunDir, is_run
+
+    return out if out is not None or not is_run(path) else RunDir(path).path(BENCH)

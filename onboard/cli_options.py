@@ -5,6 +5,8 @@ from typing import Annotated
 
 import typer
 
+from onboard.workspace import ARTIFACT, is_run
+
 SchemeOpt = Annotated[
     str | None, typer.Option(help="nvfp4 | nvfp4a16 | fp8 | auto (per-group formats under --bits-budget)")
 ]
@@ -85,7 +87,7 @@ def recipe_with_overrides(checkpoint, recipe_path: Path | None, overrides: dict[
 
 def model_dir_of(path: Path) -> Path:
     """A run directory's artifact, or the checkpoint directory itself."""
-    return path / "artifact" if (path / "manifest.json").is_file() else path
+    return path / ARTIFACT if is_run(path) else path
 
 
 def torch_dtype(name: str):
@@ -101,7 +103,7 @@ def torch_dtype(name: str):
 
 def check_numerics(numerics: str) -> str:
     """`--numerics` as the engine knows it, or a one-line refusal."""
-    from onboard.engine.config import NUMERICS
+    from onboard.engine import NUMERICS
     from onboard.errors import OnboardError
 
     if numerics not in NUMERICS:

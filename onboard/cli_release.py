@@ -24,11 +24,9 @@ RunDirArg = Annotated[Path, typer.Argument(help="a run directory")]
 
 
 def _run_dir(path: Path) -> Path:
-    from onboard.workspace import MANIFEST
+    from onboard.workspace import RunDir
 
-    if not (path / MANIFEST).is_file():
-        raise OnboardError(f"{path} is not a run directory (no {MANIFEST}); run `onboard run` first")
-    return path
+    return RunDir.open(path).root
 
 
 def smoke(

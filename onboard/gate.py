@@ -22,17 +22,23 @@ from onboard import atomic
 from onboard.errors import OnboardError
 from onboard.models.mtp import mtp_entries
 from onboard.recipes import Gate, describe
-from onboard.workspace import read_manifest
+from onboard.workspace import (
+    ARTIFACT,
+    GATE,
+    KL,
+    LAYERWISE,
+    MANIFEST,
+    PARITY,
+    SELECTION,
+    SMOKE,
+    SPECULATOR_METRICS,
+    at_endpoint,
+    read_manifest,
+)
 
 PASSED, FAILED, INCOMPLETE = 0, 1, 2
 
-_STAGE_FILES = {
-    "quantize": "quantize/selection.json",
-    "eval": "eval/kl.json",
-    "speculator": "speculator/metrics.json",
-    "adapt": "adapt/parity.json",
-    "smoke": "smoke/smoke.json",
-}
+_STAGE_FILES = {"quantize": SELECTION, "eval": KL, "speculator": SPECULATOR_METRICS, "adapt": PARITY, "smoke": SMOKE}
 
 
 @dataclass(frozen=True)
@@ -177,13 +183,13 @@ def _stage_results(run_dir: Path) -> dict[str, dict | None]:
         path = run_dir / relative
         done = stages.get(stage, {}).get("status") == "done"
         found[stage] = _load_metrics(path) if done and path.is_file() else None
-    layerwise = run_dir / "adapt/layerwise.json"
+    layerwise = run_dir / LAYERWISE
     if found["adapt"] is None and stages.get("adapt_layerwise", {}).get("status") == "done" and layerwise.is_file():
         found["adapt"] = {"rule": "layerwise", "layerwise": _load_metrics(layerwise)}
     selection = found["quantize"]
     if selection is not None and (selection.get("mtp") or {}).get("tensors"):
         # Still there: a later rewrite of the artifact (a re-save, another tool) may have dropped them.
-        present = len(mtp_entries(run_dir / "artifact"))
+        present = len(mtp_entries(run_dir / ARTIFACT))
         selection["mtp"] = {
             **selection["mtp"],
             "kept": selection["mtp"]["kept"] and present == selection["mtp"]["tensors"],
@@ -198,7 +204,7 @@ def _served_acceptance(run_dir: Path) -> dict | None:
     """A speculator trained over the memory budget without a deployment has no acceptance; once the
     artifact is served with it, `onboard speculator RUN_DIR --endpoint URL` measures it into
     endpoints/NAME/speculator/metrics.json: the latest such measurement stands in."""
-    measured = sorted(run_dir.glob("endpoints/*/speculator/metrics.json"), key=lambda p: p.stat().st_mtime)
+    measured = sorted(run_dir.glob(at_endpoint("*", SPECULATOR_METRICS)), key=lambda p: p.stat().st_mtime)
     for path in reversed(measured):
         metrics = _load_metrics(path)
         if _finite(metrics.get("acceptance_length")):
@@ -234,7 +240,7 @@ def evaluate_gate(run_dir: Path, gate: Gate | None = None) -> dict[str, Any]:
         try:
             gate = Gate.model_validate(recorded) if recorded else Gate()
         except ValidationError as err:
-            raise OnboardError(f"{run_dir / 'manifest.json'}: the recorded gate is invalid: {describe(err)}") from err
+            raise OnboardError(f"{run_dir / MANIFEST}: the recorded gate is invalid: {describe(err)}") from err
     results = _stage_results(run_dir)
     thresholds = gate.model_dump()
     rule = parity_rule(results["adapt"], run_dir)
@@ -303,7 +309,7 @@ def junit_xml(result: dict[str, Any]) -> str:
 
 
 def write_gate(run_dir: Path, result: dict[str, Any], junit: Path | None) -> None:
-    atomic.write_json(Path(run_dir) / "gate.json", result)
+    atomic.write_json(Path(run_dir) / GATE, result)
     if junit is not None:
         atomic.write_text(junit, junit_xml(result))
 

@@ -27,8 +27,68 @@ from onboard.errors import OnboardError
 from onboard.hashing import code_version, fingerprint, hash_json
 from onboard.recipes import Recipe, describe
 
+# The run directory's layout: the one place a path into a run is spelled (tests/test_layout.py
+# checks that no other module spells one). Each stage writes under its own folder; endpoint
+# results repeat a stage's layout under endpoints/NAME/.
 MANIFEST = "manifest.json"
+ARTIFACT = "artifact"
+DRAFT = "artifact/speculator"
+SELECTION = "quantize/selection.json"
+KL = "eval/kl.json"
+SPECULATOR_METRICS = "speculator/metrics.json"
+SPECULATOR_TRAIN = "speculator/train.json"
+SPECULATOR_DATA = "speculator/data"
+SPECULATOR_WORK = "speculator-work"
+PARITY = "adapt/parity.json"
+LAYERWISE = "adapt/layerwise.json"
+SMOKE = "smoke/smoke.json"
+BENCH = "bench/bench.json"
+REPORT = "report.html"
+GATE = "gate.json"
+SERVE = "serve"
+ENDPOINTS = "endpoints"
+CACHE = ".cache"
 STAGING = ".staging"
+
+
+@dataclass(frozen=True)
+class RunFile:
+    path: str
+    written_by: str
+    holds: str
+
+
+# What the README's run-directory listing shows (tests/test_layout.py keeps the two equal).
+LAYOUT = (
+    RunFile(MANIFEST, "every command", "each stage's status, inputs, fingerprints, metrics and time; the recipe"),
+    RunFile(ARTIFACT, "onboard quantize", "the compressed-tensors checkpoint vLLM and SGLang load"),
+    RunFile(DRAFT, "onboard speculator", "the EAGLE-3 draft (speculators format)"),
+    RunFile(SELECTION, "onboard quantize", "the format each linear got, and why"),
+    RunFile(KL, "onboard eval", "KL divergence and top-1 agreement against the source, per layer too"),
+    RunFile(SPECULATOR_METRICS, "onboard speculator", "acceptance length and rate on held-out prompts"),
+    RunFile(SPECULATOR_TRAIN, "onboard speculator", "the draft's training curve"),
+    RunFile(SPECULATOR_DATA, "onboard speculator", "the captured responses and hidden states it trained on"),
+    RunFile(PARITY, "onboard adapt", "the engine against transformers: logits, greedy continuations, the rule"),
+    RunFile(LAYERWISE, "onboard adapt --layerwise", "each decoder layer against transformers'"),
+    RunFile(SMOKE, "onboard smoke", "loops, repetition, entropy and batch invariance against the source"),
+    RunFile(BENCH, "onboard bench RUN_DIR", "tokens/s against transformers and llama.cpp"),
+    RunFile(REPORT, "onboard report", "one self-contained page"),
+    RunFile(GATE, "onboard gate", "each release check, its value and threshold"),
+    RunFile(SERVE, "onboard serve --engine vllm|sglang", "the production launch command"),
+    RunFile(ENDPOINTS, "eval, speculator, smoke --endpoint", "a server's results, laid out as the run's own"),
+)
+
+
+def folder(relative: str) -> str:
+    """The stage folder a layout path lies in (`eval` for eval/kl.json)."""
+    return relative.partition("/")[0]
+
+
+def at_endpoint(slug: str, relative: str) -> str:
+    """Where a server's result lies: `relative` under endpoints/SLUG/."""
+    return f"{ENDPOINTS}/{slug}/{relative}"
+
+
 _PACKAGES = ("torch", "transformers", "llmcompressor", "compressed-tensors", "onboard")
 
 
@@ -91,9 +151,29 @@ class RunDir:
             fcntl.flock(self._lock_handle, fcntl.LOCK_UN)
             self._lock_handle.close()
 
+    @classmethod
+    def open(cls, root: Path) -> "RunDir":
+        """An existing run directory, or the one refusal for a path that is not one."""
+        if not is_run(root):
+            raise OnboardError(
+                f"{root} is not a run directory (no {MANIFEST}); run `onboard quantize` or `onboard run` first"
+            )
+        return cls(root)
+
     @property
     def artifact(self) -> Path:
-        return self.root / "artifact"
+        return self.root / ARTIFACT
+
+    def path(self, relative: str) -> Path:
+        """A layout path (this module's constants) in this run."""
+        return self.root / relative
+
+    @property
+    def source(self) -> Path | None:
+        """The checkpoint the quantize stage read (the run's unquantized model), None before it ran."""
+        entry = self.stage_entry("quantize")
+        path = (entry or {}).get("inputs", {}).get("model_path")
+        return Path(path) if path else None
 
     def manifest(self) -> dict[str, Any]:
         return read_manifest(self.root)
@@ -210,6 +290,10 @@ class RunDir:
             self._save(manifest)
         except OSError:
             pass  # the disk that failed the stage may refuse this too; the entry stays "running"
+
+
+def is_run(path: Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
 
 
 def read_manifest(root: Path) -> dict[str, Any]:

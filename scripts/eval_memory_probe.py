@@ -7,7 +7,6 @@ the system after each window (docs/benchmarks.md, 0.8.0: where eval's memory wen
 does now; `reference` scores the reference against itself (no compressed-tensors at all).
 """
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -21,16 +20,16 @@ from onboard.evaluate.stage import eval_windows
 from onboard.memory import release_freed_memory
 from onboard.models import inspect_checkpoint, load_model, load_tokenizer
 from onboard.recipes import Eval
+from onboard.workspace import RunDir
 
 DATA = Path(__file__).resolve().parents[2] / "shared/data/gsm8k_train.jsonl"
 
 
 def main(run: Path, tokens: int, mode: str, candidate: str) -> None:
     rss = lambda: psutil.Process().memory_info().rss / 2**30  # noqa: E731
-    artifact = inspect_checkpoint(run / "artifact")
+    artifact = inspect_checkpoint(RunDir(run).artifact)
     windows = eval_windows(load_tokenizer(artifact), Eval(max_tokens=tokens), DATA)
-    reference_path = json.loads((run / "manifest.json").read_text())["stages"]["quantize"]["inputs"]["model_path"]
-    reference = load_model(inspect_checkpoint(Path(reference_path)))
+    reference = load_model(inspect_checkpoint(RunDir(run).source))
     other = reference if candidate == "reference" else load_model(artifact)
     stats, start = KLStats(), time.time()
     for i, (_, window) in enumerate(windows):

@@ -660,7 +660,7 @@ class GpuCheck:
         from onboard.models import inspect_checkpoint
         from onboard.quantize.stage import run_quantize
         from onboard.recipes import Calibration, Quantize
-        from onboard.workspace import RunDir
+        from onboard.workspace import SELECTION, RunDir
 
         root = self.tmp / f"run-{scheme}{'-distilled' if distill_tokens else ''}"
         # enough sequences for the distillation tokens beside the eighth distillation holds back
@@ -686,9 +686,9 @@ class GpuCheck:
             self.release()
         if entry.get("status") != "done":
             raise RuntimeError(f"quantize {scheme}: stage status {entry.get('status')!r}")
-        artifact = root / "artifact"
+        artifact = run.artifact
         metrics = entry.get("metrics", {})
-        selection = json.loads((root / "quantize" / "selection.json").read_text())
+        selection = json.loads(run.path(SELECTION).read_text())
         return artifact, {
             "scheme": scheme,
             **({"distill": selection["distill"]} if "distill" in selection else {}),
@@ -850,7 +850,7 @@ class GpuCheck:
         """NVFP4 W4A4 with its block scales distilled on KL to the bf16 model (`quantize
         --distill-tokens`), on the device: it must run there, not raise the calibration KL, change
         scales when it keeps them, and leave an artifact the engine serves in the same format."""
-        from onboard.engine.weights import CheckpointWeights
+        from onboard.engine import CheckpointWeights
 
         self.report["parity"]["distill"] = None
         self.free_engines()
@@ -932,7 +932,7 @@ class GpuCheck:
                 "acceptance_length": 1 + stats.num_accepted_tokens / stats.num_drafts if stats.num_drafts else None,
                 "plain_s": round(plain_s, 3),
                 "spec_s": round(spec_s, 3),
-                "kv_blocks_all_free": engine.block_manager.num_free_blocks == engine.config.num_blocks,
+                "kv_blocks_all_free": engine.stats()["num_free_blocks"] == engine.config.num_blocks,
             }
         )
         self.report["spec"][numerics] = result

@@ -115,7 +115,7 @@ def neq(a: torch.Tensor, b: torch.Tensor) -> int:
 # ------------------------------------------------------------------------------ the three sides
 def onboard_side(artifact: Path, layer: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
     sys.path.insert(0, str(ROOT))
-    from onboard.engine.weights import CheckpointWeights
+    from onboard.engine import CheckpointWeights
 
     with CheckpointWeights(artifact) as cw:
         lin = cw.linear(layer)

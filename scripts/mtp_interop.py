@@ -28,7 +28,7 @@ from onboard.models import inspect_checkpoint
 from onboard.quantize.stage import run_quantize
 from onboard.recipes import Calibration, Quantize, recipe_for
 from onboard.speculator.stage import run_speculator
-from onboard.workspace import RunDir
+from onboard.workspace import SPECULATOR_METRICS, RunDir
 
 
 def main() -> None:
@@ -50,7 +50,7 @@ def main() -> None:
     with RunDir(args.run_dir) as run:
         run_quantize(run, inspect_checkpoint(source), Quantize.model_validate(data), None)
         run_speculator(run, settings, None, numerics="exact")
-    print(json.dumps(json.loads((args.run_dir / "speculator/metrics.json").read_text())["mtp"], indent=1))
+    print(json.dumps(json.loads(RunDir(args.run_dir).path(SPECULATOR_METRICS).read_text())["mtp"], indent=1))
 
 
 if __name__ == "__main__":

@@ -29,8 +29,7 @@ import tiny_models
 from safetensors.torch import load_file, save_file
 from transformers.core_model_loading import revert_weight_conversion
 
-from onboard.engine import EngineConfig, LLMEngine
-from onboard.engine.sampler import SamplingParams
+from onboard.engine import EngineConfig, LLMEngine, SamplingParams
 from onboard.models import inspect_checkpoint
 from onboard.quantize.stage import run_quantize
 from onboard.recipes import Calibration, Quantize, recipe_for
@@ -40,7 +39,7 @@ from onboard.speculator.drafts import load_draft
 from onboard.speculator.mtp_stage import engine_mtp, trainable
 from onboard.speculator.stage import run_speculator
 from onboard.speculator.train import TrainSettings, train_draft
-from onboard.workspace import RunDir
+from onboard.workspace import SELECTION, SPECULATOR_METRICS, RunDir
 
 ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
@@ -140,8 +139,8 @@ def family(arch: str, work: Path, residual_scale: float) -> dict:
     with RunDir(root) as run:
         run_quantize(run, inspect_checkpoint(source), Quantize.model_validate(data), None)
         run_speculator(run, SETTINGS, None, numerics="exact")
-    row["kept"] = json.loads((root / "quantize/selection.json").read_text())["mtp"]
-    row["mtp"] = json.loads((root / "speculator/metrics.json").read_text())["mtp"]
+    row["kept"] = json.loads(run.path(SELECTION).read_text())["mtp"]
+    row["mtp"] = json.loads(run.path(SPECULATOR_METRICS).read_text())["mtp"]
     row["seconds"] = round(time.perf_counter() - started, 1)
     return row
 

@@ -22,7 +22,7 @@ from onboard.budget import estimate, model_shape
 from onboard.models import inspect_checkpoint
 from onboard.quantize.stage import run_quantize
 from onboard.recipes import Calibration, Quantize, Search
-from onboard.workspace import RunDir
+from onboard.workspace import SELECTION, RunDir
 
 SETTINGS = Quantize(
     scheme="auto",
@@ -57,7 +57,7 @@ def streaming_budget(path: Path) -> int:
 def selected(path: Path, root: Path, max_memory: int | None) -> dict:
     with RunDir(root) as run:
         run_quantize(run, inspect_checkpoint(path), SETTINGS, None, max_memory)
-    return json.loads((root / "quantize/selection.json").read_text())
+    return json.loads(run.path(SELECTION).read_text())
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ from rich.table import Table
 from onboard import atomic
 from onboard.console import console
 from onboard.data.load import load_records
-from onboard.engine.llm_engine import LLMEngine
+from onboard.engine import LLMEngine
 from onboard.errors import OnboardError
 from onboard.hashing import code_version, hash_json
 from onboard.recipes import SpeculatorSettings

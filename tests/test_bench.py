@@ -124,3 +124,15 @@ def test_bench_table_shows_every_side_and_the_skip_reason(bench_run: dict) -> No
         assert llama == over_llama == "—"  # skipped here; at 16 and 64 llama.cpp is never run
     assert "llama.cpp skipped: no GGUF file of this model is known" in text
     assert "48-token shared prefix" in text and "bandwidth bound reached" in text
+
+
+def test_a_run_directorys_figures_go_where_its_report_reads_them(tmp_path: Path) -> None:
+    from onboard.cli_engine import bench_out
+    from onboard.workspace import BENCH, MANIFEST
+
+    run, checkpoint = tmp_path / "run", tmp_path / "checkpoint"
+    run.mkdir()
+    (run / MANIFEST).write_text(json.dumps({"stages": {}}))
+    assert bench_out(run, None) == run / BENCH == run / "bench" / "bench.json"
+    assert bench_out(run, tmp_path / "x.json") == tmp_path / "x.json"
+    assert bench_out(checkpoint, None) is None

@@ -17,8 +17,8 @@ from onboard.data import builtin_records, chat_prompts
 from onboard.errors import OnboardError
 from onboard.evaluate.kl import KLStats
 from onboard.hashing import fingerprint
-from onboard.models import Checkpoint, load_model, load_tokenizer
-from onboard.workspace import RunDir, Stage
+from onboard.models import Checkpoint, inspect_checkpoint, load_model, load_tokenizer
+from onboard.workspace import LAYERWISE, PARITY, RunDir, Stage, is_run
 
 NUM_PROMPTS = 16
 MAX_PROMPT_TOKENS = 192
@@ -302,15 +302,6 @@ def parity_table(result: dict[str, Any]) -> Table:
     return table
 
 
-def source_of(run: RunDir) -> Checkpoint | None:
-    """The unquantized model the run's artifact was made from (its quantize stage's input)."""
-    from onboard.models import inspect_checkpoint
-
-    quantize = run.stage_entry("quantize")
-    path = (quantize or {}).get("inputs", {}).get("model_path")
-    return inspect_checkpoint(Path(path)) if path else None
-
-
 def adapt_plan(checkpoint: Checkpoint, budget: int):
     """Whole-model parity holds transformers' model and the engine's; streamed is `--layerwise`."""
     from onboard.budget import model_shape, plan_stage
@@ -322,20 +313,22 @@ def run_adapt(
     run: RunDir, checkpoint: Checkpoint, device: str = "cpu", dtype: torch.dtype = torch.bfloat16
 ) -> dict[str, Any]:
     console.print(f"{', '.join(checkpoint.architectures)} -> engine model {engine_model_for(checkpoint)}")
-    source = source_of(run) if Path(checkpoint.path).resolve() == run.artifact.resolve() else None
+    source = None
+    if Path(checkpoint.path).resolve() == run.artifact.resolve() and run.source is not None:
+        source = inspect_checkpoint(run.source)
     num_prompts = run.recipe().adapt.num_prompts
 
     def body(stage: Stage) -> dict[str, Any]:
         torch.manual_seed(0)
         result = measure_parity(checkpoint, dtype, device, num_prompts, source=source)
-        atomic.write_json(stage.path("adapt/parity.json"), result)
+        atomic.write_json(stage.path(PARITY), result)
         return {k: v for k, v in result.items() if k not in ("cases", "layerwise")}
 
     inputs = {"model": fingerprint(checkpoint.path), "dtype": str(dtype), "device": device, "num_prompts": num_prompts}
     if source is not None:
         inputs["source"] = fingerprint(source.path)
-    entry = run.run_stage("adapt", inputs, outputs=["adapt/parity.json"], body=body)
-    console.print(parity_table(json.loads((run.root / "adapt" / "parity.json").read_text())))
+    entry = run.run_stage("adapt", inputs, outputs=[PARITY], body=body)
+    console.print(parity_table(json.loads(run.path(PARITY).read_text())))
     return entry
 
 
@@ -352,14 +345,14 @@ def run_layerwise(
 
     def body(stage: Stage) -> dict[str, Any]:
         result = measure_layerwise(checkpoint.path, prompts, dtype, device)
-        atomic.write_json(stage.path("adapt/layerwise.json"), result)
+        atomic.write_json(stage.path(LAYERWISE), result)
         return {
             k: result[k] for k in ("passed", "max_abs_diff", "max_floor_ratio", "first_failing_layer", "num_tokens")
         }
 
     inputs = {"model": fingerprint(checkpoint.path), "dtype": str(dtype), "device": device, "num_prompts": len(prompts)}
-    entry = run.run_stage("adapt_layerwise", inputs, outputs=["adapt/layerwise.json"], body=body)
-    console.print(layerwise_table(entry["metrics"], run.root / "adapt" / "layerwise.json"))
+    entry = run.run_stage("adapt_layerwise", inputs, outputs=[LAYERWISE], body=body)
+    console.print(layerwise_table(entry["metrics"], run.path(LAYERWISE)))
     return entry
 
 
@@ -379,10 +372,11 @@ def layerwise_table(metrics: dict[str, Any], path: Path) -> Table:
 
 def resolve_target(path: Path, out: Path | None) -> tuple[Path, Path]:
     """(checkpoint, run directory) for PATH being a run directory or a plain checkpoint."""
-    if (path / "manifest.json").is_file():
-        if not (path / "artifact" / "config.json").is_file():
+    if is_run(path):
+        run = RunDir(path)
+        if not (run.artifact / "config.json").is_file():
             raise OnboardError(f"{path} has no artifact; run `onboard quantize` first")
-        return path / "artifact", out or path
+        return run.artifact, out or path
     if out is None:
         raise OnboardError(f"{path} is a checkpoint, not a run directory: pass --out DIR for the results")
     return path, out

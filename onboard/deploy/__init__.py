@@ -36,6 +36,7 @@ from onboard.cli_options import model_dir_of
 from onboard.deploy.artifact import context_length_of, quantization_of, read_config, speculator_of
 from onboard.deploy.command import API_KEY_ENV, ENGINES, Deployment, check_engine_name, command, script_text, shell_line
 from onboard.deploy.launch import check_engine, exec_engine, write_script
+from onboard.workspace import is_run
 
 __all__ = ["ENGINES", "check_engine_name", "serve_external"]
 
@@ -57,7 +58,7 @@ def serve_external(
     execute: bool,
 ) -> list[str]:
     """Build, print and record the command; with `execute`, run it in place of this process."""
-    run_dir = path if (path / "manifest.json").is_file() else None
+    run_dir = path if is_run(path) else None
     model_dir = model_dir_of(path)
     config = read_config(model_dir)
     dep = Deployment(

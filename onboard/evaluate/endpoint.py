@@ -28,7 +28,7 @@ from onboard.memory import release_freed_memory
 from onboard.models import inspect_checkpoint, load_model, load_tokenizer
 from onboard.paths import CALIBRATION_DIR
 from onboard.recipes import Eval
-from onboard.workspace import RunDir, Stage
+from onboard.workspace import CACHE, KL, RunDir, Stage, at_endpoint, folder
 
 CONCURRENCY = 4  # requests in flight while scoring: enough to keep a server's batch full
 
@@ -82,11 +82,11 @@ def run_endpoint_eval(
     run: RunDir, settings: Eval, data: Path | None, spec: EndpointSpec, k: int, out: Path | None = None
 ) -> dict[str, Any]:
     quantize = run.require("quantize")
-    reference_path = Path(quantize["inputs"]["model_path"])
-    cache = RequestCache(run.root / ".cache" / "endpoints" / spec.slug / "eval")
+    reference_path = run.source
+    cache = RequestCache(run.path(CACHE) / at_endpoint(spec.slug, folder(KL)))
     endpoint = Endpoint(spec)
     name = f"eval@{spec.slug}"
-    result_dir = f"endpoints/{spec.slug}/eval"
+    result = at_endpoint(spec.slug, KL)
 
     def body(stage: Stage) -> dict[str, Any]:
         torch.manual_seed(0)
@@ -109,7 +109,7 @@ def run_endpoint_eval(
             "data": str(data) if data else "builtin:eval",
             "by_traffic": {traffic: s.summary() for traffic, s in stats.items()},
         }
-        atomic.write_json(stage.path(f"{result_dir}/kl.json"), result)
+        atomic.write_json(stage.path(result), result)
         return {key: result[key] for key in ("mean_kld", "top1_agreement", "num_tokens", "estimator", "k")}
 
     inputs = {
@@ -122,11 +122,11 @@ def run_endpoint_eval(
         "session": cache.session,  # a finished check is redone next time; an interrupted one resumes
     }
     try:
-        entry = run.run_stage(name, inputs, outputs=[result_dir], body=body)
+        entry = run.run_stage(name, inputs, outputs=[at_endpoint(spec.slug, folder(KL))], body=body)
     finally:
         endpoint.close()
     cache.clear()
-    result = json.loads((run.root / result_dir / "kl.json").read_text())
+    result = json.loads(run.path(result).read_text())
     label = "full vocabulary" if k == FULL_VOCAB else f"top-{k} + rest (a lower bound)"
     console.print(kl_table(result, f"KL divergence served by {spec.base} ({endpoint.model}), {label}"))
     if out:

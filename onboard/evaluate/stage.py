@@ -22,7 +22,7 @@ from onboard.memory import release_freed_memory
 from onboard.models import inspect_checkpoint, load_model, load_tokenizer
 from onboard.paths import CALIBRATION_DIR
 from onboard.recipes import Eval
-from onboard.workspace import RunDir, Stage
+from onboard.workspace import KL, SELECTION, RunDir, Stage, folder
 
 CHUNK = 128  # positions per float32 logit block: 128 x vocab floats at a time
 
@@ -109,7 +109,7 @@ def run_eval(
     run: RunDir, settings: Eval, data: Path | None, out: Path | None = None, max_memory: int | None = None
 ) -> dict[str, Any]:
     quantize = run.require("quantize")
-    reference_path = Path(quantize["inputs"]["model_path"])
+    reference_path = run.source
     plan = eval_plan(reference_path, run.artifact, settings, resolve_budget(max_memory))
 
     def body(stage: Stage) -> dict[str, Any]:
@@ -132,14 +132,14 @@ def run_eval(
         result["data"] = str(data) if data else "builtin:eval"
         result["by_traffic"] = {traffic: s.summary() for traffic, s in stats.items()}
         if settings.per_layer_tokens:
-            selection = json.loads((run.root / "quantize/selection.json").read_text())
+            selection = json.loads(run.path(SELECTION).read_text())
             ids = batch_windows(windows, settings.per_layer_tokens)
             formats = layer_formats(selection["layers"])
             if reference is None:
                 result["per_layer"] = streamed_per_layer_kl(reference_path, run.artifact, ids, formats)
             else:
                 result["per_layer"] = per_layer_kl(reference, quantized, ids, formats)
-        atomic.write_json(stage.path("eval/kl.json"), result)
+        atomic.write_json(stage.path(KL), result)
         summary = {k: result[k] for k in ("mean_kld", "top1_agreement", "num_tokens", "effective_bits")}
         return {**summary, "memory_path": plan.path}
 
@@ -149,8 +149,8 @@ def run_eval(
         "eval": settings.model_dump(),
         "data": fingerprint(data) if data else f"builtin:{fingerprint(CALIBRATION_DIR)}",
     }
-    entry = run.run_stage("eval", inputs, outputs=["eval"], body=body)
-    result = json.loads((run.root / "eval/kl.json").read_text())
+    entry = run.run_stage("eval", inputs, outputs=[folder(KL)], body=body)
+    result = json.loads(run.path(KL).read_text())
     console.print(kl_table(result, f"KL divergence of {quantize['metrics']['scheme']} against the reference"))
     if result.get("per_layer"):
         console.print(per_layer_table(result["per_layer"]))

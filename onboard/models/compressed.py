@@ -6,7 +6,6 @@ from typing import Any
 import torch
 
 from onboard.errors import OnboardError
-from onboard.models.moe_artifact import quantize_expert_inputs_per_token
 
 
 def fill_compressed(model: torch.nn.Module, quantization: Any, state: dict[str, torch.Tensor], what: str) -> None:
@@ -38,3 +37,33 @@ def drop_offload(module: torch.nn.Module) -> None:
     from compressed_tensors.offload import remove_dispatch
 
     remove_dispatch(module)
+
+
+def quantize_expert_inputs_per_token(model: torch.nn.Module) -> None:
+    """Make linearized experts quantize their activations per token, as the format says.
+
+    compressed-tensors' dynamic `token` strategy keeps dims 0 and 1 of an input and reduces the
+    rest (`compute_dynamic_scales_and_zp`): per token for the [B, T, H] inputs of ordinary
+    layers, but per ELEMENT for the 2-D [tokens, H] rows llmcompressor's `LinearExperts2D` hands
+    each expert, so FP8 W8A8 experts would barely quantize their inputs (vLLM quantizes them per
+    token).  Each expert runs on a [1, tokens, H] view instead: hooks, so copies keep them."""
+    from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
+
+    for module in model.modules():
+        if isinstance(module, LinearExperts2D):
+            for expert in module:
+                if not getattr(expert, "_onboard_tokenwise", False):
+                    expert.register_forward_pre_hook(_as_tokens)
+                    expert.register_forward_hook(_from_tokens)
+                    expert._onboard_tokenwise = True
+
+
+def _as_tokens(module: torch.nn.Module, args: tuple):
+    x, *rest = args
+    module._onboard_unsqueezed = x.dim() == 2
+    return (x[None], *rest) if module._onboard_unsqueezed else None
+
+
+def _from_tokens(module: torch.nn.Module, _args: tuple, output: torch.Tensor):
+    unsqueezed, module._onboard_unsqueezed = module._onboard_unsqueezed, False
+    return output[0] if unsqueezed else None

@@ -16,6 +16,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from onboard.models.compressed import fill_compressed
+
 
 def is_quantized_moe(config: dict) -> bool:
     experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
@@ -25,8 +27,6 @@ def is_quantized_moe(config: dict) -> bool:
 def load_quantized_moe(path: Path, dtype: torch.dtype, trust_remote_code: bool) -> PreTrainedModel:
     from compressed_tensors.quantization import QuantizationConfig
     from llmcompressor.modeling.moe.linearize import linearize_moe
-
-    from onboard.models.compressed import fill_compressed
 
     quantization = QuantizationConfig.model_validate(
         json.loads((path / "config.json").read_text())["quantization_config"]
@@ -40,33 +40,3 @@ def load_quantized_moe(path: Path, dtype: torch.dtype, trust_remote_code: bool) 
         state.update(load_file(file))
     fill_compressed(model, quantization, state, f"{path} (linearized)")
     return model
-
-
-def quantize_expert_inputs_per_token(model: torch.nn.Module) -> None:
-    """Make linearized experts quantize their activations per token, as the format says.
-
-    compressed-tensors' dynamic `token` strategy keeps dims 0 and 1 of an input and reduces the
-    rest (`compute_dynamic_scales_and_zp`): per token for the [B, T, H] inputs of ordinary
-    layers, but per ELEMENT for the 2-D [tokens, H] rows llmcompressor's `LinearExperts2D` hands
-    each expert, so FP8 W8A8 experts would barely quantize their inputs (vLLM quantizes them per
-    token).  Each expert runs on a [1, tokens, H] view instead: hooks, so copies keep them."""
-    from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
-
-    for module in model.modules():
-        if isinstance(module, LinearExperts2D):
-            for expert in module:
-                if not getattr(expert, "_onboard_tokenwise", False):
-                    expert.register_forward_pre_hook(_as_tokens)
-                    expert.register_forward_hook(_from_tokens)
-                    expert._onboard_tokenwise = True
-
-
-def _as_tokens(module: torch.nn.Module, args: tuple):
-    x, *rest = args
-    module._onboard_unsqueezed = x.dim() == 2
-    return (x[None], *rest) if module._onboard_unsqueezed else None
-
-
-def _from_tokens(module: torch.nn.Module, _args: tuple, output: torch.Tensor):
-    unsqueezed, module._onboard_unsqueezed = module._onboard_unsqueezed, False
-    return output[0] if unsqueezed else None

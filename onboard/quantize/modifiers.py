@@ -249,7 +249,7 @@ def apply(model: torch.nn.Module, tokenizer, recipe, dataset: Dataset | None, ma
 def _oneshot(model: torch.nn.Module, tokenizer, recipe, dataset: Dataset | None, max_seq_length: int) -> None:
     from llmcompressor import oneshot
 
-    from onboard.models.moe_artifact import quantize_expert_inputs_per_token
+    from onboard.models.compressed import quantize_expert_inputs_per_token
 
     if dataset is None:
         oneshot(model=model, tokenizer=tokenizer, recipe=recipe)

@@ -37,7 +37,7 @@ from onboard.quantize.mtp_carry import carry_mtp
 from onboard.quantize.offloaded import conversion_mappings_kept, is_offloaded, load_offloaded
 from onboard.quantize.schemes import LADDERS, SCHEMES
 from onboard.recipes import Quantize
-from onboard.workspace import RunDir, Stage
+from onboard.workspace import ARTIFACT, SELECTION, RunDir, Stage, folder
 
 SHARD_SIZE = "2GB"
 
@@ -136,7 +136,7 @@ def run_quantize(
                     for fmt in list(sources):  # their disk copies are not needed any more
                         del sources[fmt]
                         shutil.rmtree(offload / fmt, ignore_errors=True)
-                return quantized(stage, load_offloaded(checkpoint, offload / "artifact"), tokenizer, picked)
+                return quantized(stage, load_offloaded(checkpoint, offload / "quantized"), tokenizer, picked)
         finally:
             shutil.rmtree(offload, ignore_errors=True)
 
@@ -202,7 +202,7 @@ def run_quantize(
         if in_place:
             auto["artifact_kld"] = selection.replay.mean_kl()[0]
 
-        artifact = stage.path("artifact")
+        artifact = stage.path(ARTIFACT)
         # Shards of a fixed size, whatever the path: the same bytes in memory or streamed, and
         # an offloaded model is gathered one shard at a time.
         model.save_pretrained(artifact, save_compressed=True, max_shard_size=SHARD_SIZE)
@@ -229,7 +229,7 @@ def run_quantize(
             "mtp": mtp,
             **auto,
         }
-        atomic.write_json(stage.path("quantize/selection.json"), selection_record)
+        atomic.write_json(stage.path(SELECTION), selection_record)
         return {
             "scheme": settings.scheme,
             "method": settings.method.name,
@@ -245,7 +245,7 @@ def run_quantize(
         }
 
     os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "WARNING")
-    inputs, outputs = quantize_inputs(checkpoint, settings, calib), ["artifact", "quantize"]
+    inputs, outputs = quantize_inputs(checkpoint, settings, calib), [ARTIFACT, folder(SELECTION)]
     # Under torchrun every rank calibrates or none does: rank 0's run directory decides.
     if distributed.world_size() > 1:
         runs = distributed.from_source(run.cached("quantize", inputs, outputs) is None)

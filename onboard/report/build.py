@@ -17,8 +17,9 @@ import jinja2
 from onboard.errors import OnboardError
 from onboard.report import fmt, quality, quantize, runinfo, smoke, speculator, verdict
 from onboard.report.load import Run
+from onboard.workspace import REPORT
 
-REPORT_NAME = "report.html"
+REPORT_NAME = REPORT
 TEMPLATES = Path(__file__).parent / "templates"
 
 

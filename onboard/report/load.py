@@ -4,6 +4,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from onboard.workspace import MANIFEST
+
 STAGES = ("quantize", "eval", "speculator", "adapt", "smoke")
 
 
@@ -14,7 +16,7 @@ class Run:
         self.dir = run_dir
         self.problems: list[str] = []
         self._cache: dict[str, dict[str, Any] | None] = {}
-        self.manifest = self.json("manifest.json")
+        self.manifest = self.json(MANIFEST)
 
     def json(self, rel: str) -> dict[str, Any] | None:
         """The object in `rel`, or None when the file is absent or unreadable (noted in `problems`).

@@ -5,6 +5,7 @@ from typing import Any
 from onboard.report import svg
 from onboard.report.fmt import MISSING, is_num, num, pct
 from onboard.report.load import Run, as_dict, as_list, section
+from onboard.workspace import KL, PARITY
 
 KL_STATS = ("mean_kld", "median_kld", "p90_kld", "p99_kld", "max_kld", "top1_agreement", "rms_delta_p")
 MAX_PARITY_CASES = 3
@@ -77,7 +78,7 @@ def per_layer_view(per_layer: Any) -> dict[str, Any] | None:
 
 
 def build_eval(run: Run) -> dict[str, Any]:
-    kl = run.json("eval/kl.json")
+    kl = run.json(KL)
     data = kl or {}
     by_traffic = {str(k): as_dict(v) for k, v in sorted(as_dict(data.get("by_traffic")).items())}
     histogram = kl_histogram(data)
@@ -186,7 +187,7 @@ def layerwise_view(parity: dict[str, Any]) -> list[tuple[str, str]] | None:
 
 
 def build_parity(run: Run) -> dict[str, Any]:
-    parity = run.json("adapt/parity.json")
+    parity = run.json(PARITY)
     data = parity or {}
     cases = [as_dict(c) for c in as_list(data.get("cases"))]
     # Mismatches first (they are what a reviewer must read), then the rest in file order.

@@ -9,6 +9,7 @@ from onboard.report import svg
 from onboard.report.fmt import is_num, ratio
 from onboard.report.load import Run, as_dict, as_list, section
 from onboard.report.selection import auto_selection, format_colors, pinned_summary, search_trace
+from onboard.workspace import ARTIFACT, SELECTION
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
 MIXED = "#ef4444"
@@ -76,8 +77,8 @@ def format_table(layers: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def build(run: Run) -> dict[str, Any]:
-    selection = run.json("quantize/selection.json")
-    config = run.json("artifact/config.json") or {}
+    selection = run.json(SELECTION)
+    config = run.json(f"{ARTIFACT}/config.json") or {}
     metrics = run.metrics("quantize")
     sel = selection or {}
     layers = as_dict(sel.get("layers"))

@@ -7,6 +7,7 @@ from typing import Any
 from onboard.report import svg
 from onboard.report.fmt import is_num, secs
 from onboard.report.load import STAGES, Run, as_dict
+from onboard.workspace import BENCH
 
 # `onboard bench`'s sides, as `{side}_c{N}_tps` keys of bench/bench.json, in column order.
 BENCH_SIDES = (
@@ -72,7 +73,7 @@ def versions(run: Run) -> dict[str, Any]:
 
 
 def bench(run: Run) -> dict[str, Any]:
-    data = run.json("bench/bench.json")
+    data = run.json(BENCH)
     smoke_stage = as_dict(as_dict((run.manifest or {}).get("stages")).get("smoke"))
     throughput = {str(k): v for k, v in as_dict(as_dict(smoke_stage.get("metrics")).get("throughput")).items()}
     result = data or {}

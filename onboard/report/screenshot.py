@@ -71,6 +71,47 @@ def screenshot(html: Path, png: Path, width: int = 1280, height: int = 1000) -> 
         raise OnboardError(f"chromium wrote no screenshot to {png}")
 
 
+# Run on load in a copy of the page (the report itself has no script): each card (and the page)
+# whose content is wider than the box, named by its heading, written into the DOM Chromium dumps.
+_OVERFLOW_PROBE = """<script>
+addEventListener("load", () => {
+  const wide = [];
+  const root = document.documentElement;
+  if (root.scrollWidth > root.clientWidth) wide.push(`the page: ${root.scrollWidth} px in ${root.clientWidth}`);
+  for (const card of document.querySelectorAll(".card, .tile")) {
+    if (card.scrollWidth > card.clientWidth) {
+      const head = card.querySelector("h2, .label");
+      const name = (head ? head.firstChild : card).textContent.trim().slice(0, 40);
+      wide.push(`${name}: ${card.scrollWidth} px in ${card.clientWidth}`);
+    }
+  }
+  const out = document.createElement("pre");
+  out.id = "onboard-overflow";
+  out.textContent = JSON.stringify(wide);
+  document.body.append(out);
+});
+</script>"""
+_OVERFLOW = re.compile(r'<pre id="onboard-overflow">(.*?)</pre>', re.S)
+
+
+def overflowing(html: Path, width: int) -> list[str]:
+    """The cards of `html` whose content is wider than the card at a `width`-pixel window (a value
+    that does not wrap pushes the card's other values out of sight), and the page if it scrolls
+    sideways: one line each, empty when everything fits."""
+    import html as entities
+    import json
+
+    page = Path(html).read_text()
+    with tempfile.TemporaryDirectory(prefix="onboard-layout-") as tmp:
+        probe = Path(tmp) / Path(html).name
+        probe.write_text(page.replace("</body>", _OVERFLOW_PROBE + "</body>"))
+        dom = _run(["--dump-dom", "--virtual-time-budget=5000"], width, 1000, probe).stdout
+    match = _OVERFLOW.search(dom)
+    if match is None:
+        raise OnboardError(f"chromium ran no layout probe on {html}")
+    return json.loads(entities.unescape(match.group(1)))
+
+
 def console_errors(html: Path) -> list[str]:
     """Every console message and uncaught error `html` produces when loaded (empty for a clean page)."""
     with tempfile.TemporaryDirectory(prefix="onboard-shot-") as tmp:

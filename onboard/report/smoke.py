@@ -6,6 +6,7 @@ from typing import Any
 from onboard.report import svg
 from onboard.report.fmt import is_num, pct
 from onboard.report.load import Run, as_dict, as_list, section
+from onboard.workspace import SMOKE
 
 MAX_CASES = 6
 MAX_DIVERGED = 10
@@ -65,7 +66,7 @@ def cases(smoke: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
 
 
 def build(run: Run) -> dict[str, Any]:
-    smoke = run.json("smoke/smoke.json")
+    smoke = run.json(SMOKE)
     data = smoke or {}
     rows, chart = detectors(data)
     shown, hidden = cases(data)

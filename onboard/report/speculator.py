@@ -5,6 +5,7 @@ from typing import Any
 from onboard.report import svg
 from onboard.report.fmt import pct
 from onboard.report.load import Run, as_dict, as_list, section
+from onboard.workspace import SPECULATOR_METRICS, SPECULATOR_TRAIN
 
 
 def acceptance_chart(metrics: dict[str, Any], by_traffic: dict[str, dict[str, Any]]) -> Any:
@@ -56,8 +57,8 @@ def mtp_rows(metrics: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def build(run: Run) -> dict[str, Any]:
-    metrics = run.json("speculator/metrics.json")
-    train = run.json("speculator/train.json") or {}
+    metrics = run.json(SPECULATOR_METRICS)
+    train = run.json(SPECULATOR_TRAIN) or {}
     data = metrics or {}
     by_traffic = {str(k): as_dict(v) for k, v in sorted(as_dict(data.get("by_traffic")).items())}
     return section(

@@ -5,15 +5,16 @@ from typing import Any
 from onboard.errors import OnboardError
 from onboard.report.fmt import MISSING, is_num, mb, num, pct, ratio
 from onboard.report.load import Run, as_dict, as_list
+from onboard.workspace import GATE, KL, MANIFEST, SELECTION, SMOKE, SPECULATOR_METRICS
 
 
 def gate_result(run: Run) -> tuple[dict[str, Any] | None, str]:
     """The gate's verdict and where it came from: `gate.json` when the run has one written after
     its last stage finished (it may carry `--set` overrides), else the gate evaluated now."""
-    gate = run.json("gate.json")
-    written, manifest = run.dir / "gate.json", run.dir / "manifest.json"
+    gate = run.json(GATE)
+    written, manifest = run.dir / GATE, run.dir / MANIFEST
     if gate is not None and (not manifest.exists() or written.stat().st_mtime >= manifest.stat().st_mtime):
-        return gate, "gate.json"
+        return gate, GATE
     from onboard.gate import evaluate_gate
 
     try:
@@ -39,11 +40,11 @@ def decide(gate: dict[str, Any] | None) -> str:
 
 def headlines(run: Run) -> list[dict[str, Any]]:
     """The numbers a reviewer reads first: (key, label, value, detail, stage, words naming its checks)."""
-    kl = run.json("eval/kl.json") or run.metrics("eval")
-    sel = run.json("quantize/selection.json") or {}
+    kl = run.json(KL) or run.metrics("eval")
+    sel = run.json(SELECTION) or {}
     quant = run.metrics("quantize")
-    spec = run.json("speculator/metrics.json") or run.metrics("speculator")
-    smoke = run.json("smoke/smoke.json") or {}
+    spec = run.json(SPECULATOR_METRICS) or run.metrics("speculator")
+    smoke = run.json(SMOKE) or {}
     before, after = quant.get("bytes_reference"), quant.get("bytes_artifact")
     ref_loop, invariant, speedup = smoke.get("reference_loop_rate"), smoke.get("batch_invariant"), spec.get("speedup")
     draft, shrink = spec.get("num_speculative_tokens"), ratio(before, after)

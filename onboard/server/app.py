@@ -20,9 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from onboard.engine.grammar import GrammarSpec
-from onboard.engine.llm_engine import LLMEngine
-from onboard.engine.sampler import SamplingParams
+from onboard.engine import GrammarSpec, LLMEngine, SamplingParams
 from onboard.errors import OnboardError
 from onboard.server.errors import APIError, bad_value, error_response, install_error_handlers
 from onboard.server.loop import EngineDeadError, EngineLoop, RequestHandle
@@ -295,7 +293,7 @@ def serve(
 
     import uvicorn
 
-    from onboard.engine.config import EngineConfig
+    from onboard.engine import EngineConfig
 
     engine = LLMEngine(model_dir, replace(engine_config or EngineConfig(), device=device))
     if speculator is not None:

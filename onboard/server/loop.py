@@ -25,9 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from onboard.engine.grammar import GrammarSpec
-from onboard.engine.llm_engine import LLMEngine, RequestOutput
-from onboard.engine.sampler import SamplingParams
+from onboard.engine import GrammarSpec, LLMEngine, RequestOutput, SamplingParams
 from onboard.server.metrics import EngineStats, Metrics
 
 log = logging.getLogger("onboard.server")

@@ -11,9 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from onboard.engine.grammar import GrammarSpec
-from onboard.engine.logprobs import MAX_LOGPROBS, check_num_logprobs
-from onboard.engine.sampler import SamplingParams
+from onboard.engine import MAX_LOGPROBS, GrammarSpec, SamplingParams, check_num_logprobs
 from onboard.server.errors import APIError
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from onboard.engine.llm_engine import RequestOutput
+from onboard.engine import RequestOutput
 
 
 def sse(payload: dict[str, Any] | str) -> str:

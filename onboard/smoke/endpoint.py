@@ -37,6 +37,7 @@ from onboard.smoke.analysis import Side, compare, worst_cases
 from onboard.smoke.detectors import first_divergence
 from onboard.smoke.passes import Output, generate
 from onboard.smoke.stage import smoke_prompts, smoke_table
+from onboard.workspace import CACHE, SMOKE, at_endpoint, folder
 
 MODES = ("greedy", "sampled")
 TOP_LOGPROBS = 5  # per generated step: enough for the entropy estimate, small on the wire
@@ -100,7 +101,7 @@ class EngineGenerator:
         self.engine = engine
 
     def run(self, bodies: list[dict[str, Any]], phase: str, label: str, concurrency: int = CONCURRENCY) -> list[Output]:
-        from onboard.engine.sampler import SamplingParams
+        from onboard.engine import SamplingParams
 
         params = []
         for body in bodies:
@@ -178,12 +179,12 @@ def run_endpoint_smoke(
     numerics: str = "fast",
 ) -> dict[str, Any]:
     """`device`/`numerics`: the local reference engine's, when no reference endpoint is given."""
-    quantize = run.require("quantize")
-    reference_path = Path(quantize["inputs"]["model_path"])
-    cache = RequestCache(run.root / ".cache" / "endpoints" / spec.slug / "smoke")
+    run.require("quantize")
+    reference_path = run.source
+    cache = RequestCache(run.path(CACHE) / at_endpoint(spec.slug, folder(SMOKE)))
     endpoint = Endpoint(spec)
     reference_endpoint = Endpoint(reference_spec) if reference_spec else None
-    result_dir = f"endpoints/{spec.slug}/smoke"
+    result = at_endpoint(spec.slug, SMOKE)
 
     def body(stage) -> dict[str, Any]:
         tokenizer = load_tokenizer(inspect_checkpoint(run.artifact))
@@ -201,7 +202,7 @@ def run_endpoint_smoke(
         result["endpoint"] = spec.base
         result["served_model"] = endpoint.model
         result["reference"] = reference_spec.base if reference_spec else str(reference_path)
-        atomic.write_json(stage.path(f"{result_dir}/smoke.json"), result)
+        atomic.write_json(stage.path(result), result)
         keys = ("loop_rate", "reference_loop_rate", "no_eos_rate", "distinct_2", "entropy_ratio", "batch_invariant")
         return {k: result[k] for k in keys}
 
@@ -214,11 +215,11 @@ def run_endpoint_smoke(
         "session": cache.session,
     }
     try:
-        entry = run.run_stage(f"smoke@{spec.slug}", inputs, outputs=[result_dir], body=body)
+        entry = run.run_stage(f"smoke@{spec.slug}", inputs, outputs=[at_endpoint(spec.slug, folder(SMOKE))], body=body)
     finally:
         endpoint.close()
         if reference_endpoint is not None:
             reference_endpoint.close()
     cache.clear()
-    console.print(smoke_table(json.loads((run.root / result_dir / "smoke.json").read_text())))
+    console.print(smoke_table(json.loads(run.path(result).read_text())))
     return entry

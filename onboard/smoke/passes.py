@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from onboard.console import console
-from onboard.engine.sampler import SamplingParams
+from onboard.engine import SamplingParams
 
 
 @dataclass

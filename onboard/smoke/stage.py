@@ -19,15 +19,14 @@ from rich.table import Table
 from onboard import atomic
 from onboard.console import console
 from onboard.data import ChatPrompt, builtin_records, chat_prompts, load_records
-from onboard.engine.config import EngineConfig
-from onboard.engine.llm_engine import LLMEngine
+from onboard.engine import EngineConfig, LLMEngine
 from onboard.hashing import fingerprint
 from onboard.paths import CALIBRATION_DIR
 from onboard.recipes import Smoke
 from onboard.smoke.analysis import Side, compare, worst_cases
 from onboard.smoke.invariance import check_invariance, check_speculative
 from onboard.smoke.passes import generate, params_for
-from onboard.workspace import RunDir, Stage
+from onboard.workspace import SMOKE, RunDir, Stage, folder
 
 MODES = ("greedy", "sampled")
 MAX_PROMPT_TOKENS = 1024
@@ -118,14 +117,14 @@ def smoke_table(result: dict[str, Any]) -> Table:
 def run_smoke(
     run: RunDir, config: Smoke, data: Path | None, device: str = "cpu", numerics: str = "fast"
 ) -> dict[str, Any]:
-    quantize = run.require("quantize")
-    reference = Path(quantize["inputs"]["model_path"])
+    run.require("quantize")
+    reference = run.source
 
     def body(stage: Stage) -> dict[str, Any]:
         torch.manual_seed(config.seed)
         result = measure_smoke(run.artifact, reference, config, data, device, numerics)
         throughput = result.pop("throughput")  # timings vary run to run: the manifest, not smoke.json
-        atomic.write_json(stage.path("smoke/smoke.json"), result)
+        atomic.write_json(stage.path(SMOKE), result)
         keys = ("loop_rate", "reference_loop_rate", "no_eos_rate", "distinct_2", "entropy_ratio", "batch_invariant")
         return {**{k: result[k] for k in keys}, "throughput": throughput}
 
@@ -135,6 +134,6 @@ def run_smoke(
         "numerics": numerics,
         "data": fingerprint(data) if data else f"builtin:{fingerprint(CALIBRATION_DIR)}",
     }
-    entry = run.run_stage("smoke", inputs, outputs=["smoke"], body=body)
-    console.print(smoke_table(json.loads((run.root / "smoke/smoke.json").read_text())))
+    entry = run.run_stage("smoke", inputs, outputs=[folder(SMOKE)], body=body)
+    console.print(smoke_table(json.loads(run.path(SMOKE).read_text())))
     return entry

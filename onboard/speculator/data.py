@@ -75,7 +75,7 @@ def generate_responses(
     distribution at every position, so any trajectory it could take teaches the draft.
     `max_in_flight`: at most that many requests queued at once (None: all; the engine's
     `max_num_seqs` caps how many run), so one engine can generate at several concurrencies."""
-    from onboard.engine.sampler import SamplingParams
+    from onboard.engine import SamplingParams
 
     work = [
         (prompt.token_ids, prompt.traffic, SamplingParams(temperature=0.0, max_tokens=max_new_tokens))

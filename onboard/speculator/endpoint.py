@@ -21,7 +21,7 @@ from onboard.endpoint import Endpoint, EndpointSpec
 from onboard.endpoint.acceptance import measure_endpoint_acceptance
 from onboard.hashing import fingerprint
 from onboard.recipes import SpeculatorSettings
-from onboard.workspace import RunDir, Stage
+from onboard.workspace import SPECULATOR_METRICS, RunDir, Stage, at_endpoint, folder
 
 
 def endpoint_table(metrics: dict[str, Any]) -> Table:
@@ -87,11 +87,11 @@ def run_endpoint_speculator(
 ) -> dict[str, Any]:
     run.require("quantize")
     endpoint = Endpoint(spec)
-    result_dir = f"endpoints/{spec.slug}/speculator"
+    result = at_endpoint(spec.slug, SPECULATOR_METRICS)
 
     def body(stage: Stage) -> dict[str, Any]:
         metrics = measure_endpoint(run, settings, data, endpoint, concurrency)
-        atomic.write_json(stage.path(f"{result_dir}/metrics.json"), metrics)
+        atomic.write_json(stage.path(result), metrics)
         return {key: metrics[key] for key in ("acceptance_length", "num_speculative_tokens", "num_drafts")}
 
     inputs = {
@@ -103,8 +103,10 @@ def run_endpoint_speculator(
         "measured": uuid.uuid4().hex,  # never "cached": the server's deployment may have changed since
     }
     try:
-        entry = run.run_stage(f"speculator@{spec.slug}", inputs, outputs=[result_dir], body=body)
+        entry = run.run_stage(
+            f"speculator@{spec.slug}", inputs, outputs=[at_endpoint(spec.slug, folder(SPECULATOR_METRICS))], body=body
+        )
     finally:
         endpoint.close()
-    console.print(endpoint_table(json.loads((run.root / result_dir / "metrics.json").read_text())))
+    console.print(endpoint_table(json.loads(run.path(result).read_text())))
     return entry

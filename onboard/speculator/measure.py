@@ -43,7 +43,7 @@ def measure_acceptance(engine, draft: torch.nn.Module, k: int, prompts: list[Cha
     """Greedy, concurrency 1, in the engine: acceptance per traffic type (and on looping and
     non-looping outputs), and wall-clock speed-up against the same engine without the draft on
     the same prompts."""
-    from onboard.engine.sampler import SamplingParams
+    from onboard.engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=TOP)
     groups: dict[str, list[int]] = {}  # name -> [drafts, accepted, accepted at position 1..k]
@@ -127,8 +127,7 @@ def run_spec_bench(
     """`onboard bench --speculator`: the run's draft (an export, or `mtp`: the artifact's MTP layers)
     and any `others` on the same held-out prompts, in the numerics that serve."""
     from onboard.console import console
-    from onboard.engine.config import EngineConfig
-    from onboard.engine.llm_engine import LLMEngine
+    from onboard.engine import EngineConfig, LLMEngine
     from onboard.speculator.drafts import load_draft
 
     engine = LLMEngine(artifact, EngineConfig(device=device, numerics=numerics, enable_prefix_caching=False))

@@ -21,21 +21,14 @@ from onboard.console import console
 from onboard.models.mtp import has_mtp_layers
 from onboard.speculator.measure import measure_acceptance
 from onboard.speculator.mtp_draft import MtpDraft, load_mtp_draft
-from onboard.workspace import RunDir, Stage
+from onboard.workspace import ARTIFACT, RunDir, Stage
 
 SUMMARY_KEYS = ("acceptance_length", "per_position_acceptance", "speedup", "spec_lossless_greedy", "num_drafts")
 
 
 def mtp_outputs(artifact: Path) -> list[str]:
     """The artifact's MTP shards, as run-directory paths (`--draft mtp` rewrites them)."""
-    return [f"artifact/{path.name}" for path in sorted(Path(artifact).glob("mtp-*.safetensors"))]
-
-
-def source_of(run: RunDir) -> Path | None:
-    """The checkpoint the run quantized (the quantize stage's recorded input)."""
-    entry = run.stage_entry("quantize") or {}
-    path = (entry.get("inputs") or {}).get("model_path")
-    return Path(path) if path and Path(path).is_dir() else None
+    return [f"{ARTIFACT}/{path.name}" for path in sorted(Path(artifact).glob("mtp-*.safetensors"))]
 
 
 def engine_mtp(engine, path: Path) -> MtpDraft:
@@ -59,7 +52,7 @@ def measure_mtp(
     result: dict[str, Any] = {"num_speculative_tokens": k, "num_prompts": len(held_out)}
     measured = measure_acceptance(engine, engine_mtp(engine, run.artifact), k, held_out, max_tokens)
     result["artifact"] = summary(measured)
-    source = source_of(run)
+    source = run.source if run.source is not None and run.source.is_dir() else None
     if source is None or not has_mtp_layers(source):
         result["bf16"] = None
         result["bf16_note"] = "the quantized source is not on this machine" if source is None else "no MTP layers"
@@ -83,7 +76,7 @@ def write_mtp_layers(draft: MtpDraft, artifact: Path, stage: Stage, retrained: b
         state = {k: v.detach() for k, v in draft.mtp.state_dict().items() if k.startswith("layers.")}
         layers = revert_weight_conversion(draft.mtp, state)
     for relative in mtp_outputs(artifact):
-        name = relative.removeprefix("artifact/")
+        name = relative.removeprefix(f"{ARTIFACT}/")
         tensors = load_file(str(artifact / name))
         for key, value in layers.items():
             if key in tensors:

@@ -71,7 +71,7 @@ from onboard.speculator.teacher import (
     teacher_forced_code,
 )
 from onboard.speculator.work import captured_data, data_metrics, finish, train_captured
-from onboard.workspace import RunDir, Stage
+from onboard.workspace import DRAFT, SPECULATOR_METRICS, SPECULATOR_WORK, RunDir, Stage, folder
 
 DATA_SETTINGS = {  # the settings the captured data depends on
     "draft",  # which states: EAGLE-3's auxiliary layers or the final ones MTP reads
@@ -92,7 +92,7 @@ def engine_config(settings: SpeculatorSettings, device: str = "cpu", numerics: s
     """The stage's one engine (generation, capture, measurement): `generation_concurrency`
     sequences at once, a KV cache that holds that many whole prompts and responses (and a capture
     pack), and a context length that fits the longest training sequence."""
-    from onboard.engine.config import EngineConfig
+    from onboard.engine import EngineConfig
 
     defaults = EngineConfig()
     block = defaults.block_size
@@ -268,7 +268,7 @@ def run_speculator(
         "endpoint": endpoint.base if streamed and endpoint else None,  # in memory, the engine measures
     }
     # --draft mtp rewrites the artifact's MTP shards (as they were unless the fine-tuned layers accept more)
-    outputs = ["speculator", *(mtp_outputs(run.artifact) if settings.draft == "mtp" else ["artifact/speculator"])]
+    outputs = [folder(SPECULATOR_METRICS), *(mtp_outputs(run.artifact) if settings.draft == "mtp" else [DRAFT])]
     fresh = parallel.from_main(lambda: run.cached("speculator", inputs, outputs) is None)
     if not parallel.is_main():  # trains alongside the main process; writes nothing of the run
         if not fresh:
@@ -276,7 +276,7 @@ def run_speculator(
         with tempfile.TemporaryDirectory(prefix=f"onboard-rank{parallel.rank()}-") as scratch:
             return body(Stage(name="speculator", staging=Path(scratch), run=run))
     entry = run.run_stage("speculator", inputs, outputs, body)
-    atomic.remove(run.root / "speculator-work")
+    atomic.remove(run.path(SPECULATOR_WORK))
     return entry
 
 
@@ -290,9 +290,9 @@ def _in_memory_body(
     config,
 ) -> Callable[[Stage], dict[str, Any]]:
     """The engine generates the responses, captures the states and measures the acceptance."""
-    from onboard.engine.llm_engine import LLMEngine
+    from onboard.engine import LLMEngine
 
-    work = run.root / "speculator-work"
+    work = run.path(SPECULATOR_WORK)
 
     def body(stage: Stage) -> dict[str, Any]:
         torch.manual_seed(0)
@@ -358,7 +358,7 @@ def _in_memory_body(
             )
             metrics = metrics if kept else shipped
         else:
-            export_speculator(draft, stage.path("artifact/speculator"), run.artifact.resolve(), k)
+            export_speculator(draft, stage.path(DRAFT), run.artifact.resolve(), k)
             if has_mtp_layers(run.artifact):
                 mtp, _ = measure_mtp(engine, run, config, held_out, k, max_tokens)
         metrics.update(

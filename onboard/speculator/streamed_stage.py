@@ -26,7 +26,7 @@ from onboard.speculator.streamed import capture_streamed
 from onboard.speculator.target import checkpoint_draft, checkpoint_tensors
 from onboard.speculator.teacher import teacher_forced_answers, teacher_forced_code, traffic_sequences
 from onboard.speculator.work import captured_data, data_metrics, finish, train_captured
-from onboard.workspace import RunDir, Stage
+from onboard.workspace import DRAFT, SPECULATOR_WORK, RunDir, Stage
 
 
 def not_measured_note(run_dir: Path) -> str:
@@ -67,7 +67,7 @@ def streamed_body(
     """No engine: the teacher-forced data (`sources`, by source) captured by streaming the
     checkpoint, the draft from its tensors, the acceptance measured on `endpoint` (or recorded as
     not measured)."""
-    work = run.root / "speculator-work"
+    work = run.path(SPECULATOR_WORK)
 
     def body(stage: Stage) -> dict[str, Any]:
         torch.manual_seed(0)
@@ -92,7 +92,7 @@ def streamed_body(
         if not parallel.is_main():  # under torchrun: the main process alone exports and measures
             return {}
         k = settings.num_speculative_tokens
-        export_speculator(draft, stage.path("artifact/speculator"), run.artifact.resolve(), k)
+        export_speculator(draft, stage.path(DRAFT), run.artifact.resolve(), k)
 
         metrics = _endpoint_metrics(run, settings, data, endpoint, k) if endpoint else _unmeasured(run, k)
         metrics.update(

@@ -23,8 +23,7 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 
 def last_layer_weights(engine) -> dict[str, torch.Tensor] | str:
     """float32 copies of the target's last decoder layer by draft name, or why there are none."""
-    from onboard.engine.layers.mha import LlamaAttention
-    from onboard.engine.layers.mlp import LlamaMLP
+    from onboard.engine import LlamaAttention, LlamaMLP
 
     layer = engine.decoder_layer(-1)
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -56,7 +55,7 @@ def last_layer_weights(engine) -> dict[str, torch.Tensor] | str:
 
 def _notes(engine) -> list[str]:
     """What the draft's layer cannot hold of the target's (copied anyway: it is an init)."""
-    from onboard.engine.linear import EngineLinear
+    from onboard.engine import EngineLinear
 
     layer = engine.decoder_layer(-1)
     notes = []

@@ -17,7 +17,7 @@ from onboard.hashing import hash_json
 from onboard.recipes import SpeculatorSettings
 from onboard.speculator.draft import Eagle3Draft
 from onboard.speculator.train import TrainSettings, train_draft
-from onboard.workspace import Stage
+from onboard.workspace import SPECULATOR_DATA, SPECULATOR_METRICS, SPECULATOR_TRAIN, Stage
 
 
 def captured_data(work: Path, data_key: str, capture: Callable[[Path], dict]) -> tuple[Path, dict]:
@@ -55,9 +55,9 @@ def train_captured(
 
 def finish(stage: Stage, metrics: dict[str, Any], history: list[dict], train: TrainSettings, work: Path) -> None:
     """metrics.json, train.json and the captured data into the stage's outputs."""
-    atomic.write_json(stage.path("speculator/metrics.json"), metrics)
-    atomic.write_json(stage.path("speculator/train.json"), {"history": history, "settings": asdict(train)})
-    (work / "data").rename(stage.path("speculator/data"))  # last: a failure before this keeps it for the rerun
+    atomic.write_json(stage.path(SPECULATOR_METRICS), metrics)
+    atomic.write_json(stage.path(SPECULATOR_TRAIN), {"history": history, "settings": asdict(train)})
+    (work / "data").rename(stage.path(SPECULATOR_DATA))  # last: a failure before this keeps it for the rerun
 
 
 def data_metrics(index: dict, aux_layers: list[int], vocab: torch.Tensor, numerics: str) -> dict[str, Any]:

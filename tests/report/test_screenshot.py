@@ -7,8 +7,12 @@ import pytest
 from PIL import Image, ImageStat
 
 from onboard.errors import OnboardError
+from onboard.recipes import Quantize
 from onboard.report import screenshot as shot
 from onboard.report import write_report
+
+from .runs import write
+from .test_parity_card import w4a4_parity
 
 pytestmark = pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium")
 
@@ -31,6 +35,40 @@ def test_screenshot_is_a_rendered_page(full_run_dir: Path, tmp_path: Path) -> No
 
 def test_report_has_no_console_errors(full_run_dir: Path) -> None:
     assert shot.console_errors(write_report(full_run_dir)) == []
+
+
+@pytest.mark.parametrize("width", [1300, 800])
+def test_every_card_holds_its_content(full_run_dir: Path, width: int) -> None:
+    """The longest values a run writes (the W4A4 parity rule's sentence, eight bench columns) wrap
+    inside their cards: none pushes its card's other values out of sight or the page sideways."""
+    write(full_run_dir, "adapt/parity.json", w4a4_parity())
+    assert shot.overflowing(write_report(full_run_dir), width) == []
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"])
+def test_each_familys_report_fits_its_cards(family: str, quantized_run, request, tmp_path: Path) -> None:
+    """The quantize card of each family's mixed-precision run (its module names, its formats): the
+    run test_mla_artifacts.py and test_nvfp4_format.py build."""
+    from quantize.test_mla_artifacts import settings_for
+    from quantize.test_nvfp4_format import CALIB, PINS
+
+    source = request.getfixturevalue(f"tiny_{family}")
+    settings = Quantize(formats=PINS, calibration=CALIB) if family == "llama" else settings_for(family, "mixed")
+    run = tmp_path / "run"
+    shutil.copytree(quantized_run(source, settings), run)
+    report = write_report(run)
+    assert {width: shot.overflowing(report, width) for width in (1300, 800)} == {1300: [], 800: []}
+
+
+def test_a_value_wider_than_its_card_is_caught(tmp_path: Path) -> None:
+    page = tmp_path / "p.html"
+    long = "x" * 400
+    page.write_text(
+        f'<html><body><section class="card" style="width:300px"><h2>Wide</h2><span style="white-space:nowrap">{long}'
+        "</span></section></body></html>"
+    )
+    wide = shot.overflowing(page, 800)
+    assert len(wide) == 2 and wide[1].startswith("Wide: ") and wide[0].startswith("the page: ")
 
 
 def test_console_errors_are_caught(tmp_path: Path) -> None:

@@ -59,6 +59,11 @@ def engine_model_name(config: Any) -> str:
     return model_class(config).__name__
 
 
+def uses_mla(config: Any) -> bool:
+    """Whether the engine serves `config` with multi-head latent attention (DeepSeek-V3's family)."""
+    return issubclass(model_class(config), DeepseekV3Model)
+
+
 __all__ = [
     "MODEL_REGISTRY",
     "DecoderModel",
@@ -70,4 +75,5 @@ __all__ = [
     "kv_layout_for",
     "model_class",
     "supported_architectures",
+    "uses_mla",
 ]
