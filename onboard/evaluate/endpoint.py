@@ -86,7 +86,7 @@ def run_endpoint_eval(
     cache = RequestCache(run.path(CACHE) / at_endpoint(spec.slug, folder(KL)))
     endpoint = Endpoint(spec)
     name = f"eval@{spec.slug}"
-    result = at_endpoint(spec.slug, KL)
+    result_file = at_endpoint(spec.slug, KL)
 
     def body(stage: Stage) -> dict[str, Any]:
         torch.manual_seed(0)
@@ -109,7 +109,7 @@ def run_endpoint_eval(
             "data": str(data) if data else "builtin:eval",
             "by_traffic": {traffic: s.summary() for traffic, s in stats.items()},
         }
-        atomic.write_json(stage.path(result), result)
+        atomic.write_json(stage.path(result_file), result)
         return {key: result[key] for key in ("mean_kld", "top1_agreement", "num_tokens", "estimator", "k")}
 
     inputs = {
@@ -126,7 +126,7 @@ def run_endpoint_eval(
     finally:
         endpoint.close()
     cache.clear()
-    result = json.loads(run.path(result).read_text())
+    result = json.loads(run.path(result_file).read_text())
     label = "full vocabulary" if k == FULL_VOCAB else f"top-{k} + rest (a lower bound)"
     console.print(kl_table(result, f"KL divergence served by {spec.base} ({endpoint.model}), {label}"))
     if out:

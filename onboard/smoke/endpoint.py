@@ -184,7 +184,7 @@ def run_endpoint_smoke(
     cache = RequestCache(run.path(CACHE) / at_endpoint(spec.slug, folder(SMOKE)))
     endpoint = Endpoint(spec)
     reference_endpoint = Endpoint(reference_spec) if reference_spec else None
-    result = at_endpoint(spec.slug, SMOKE)
+    result_file = at_endpoint(spec.slug, SMOKE)
 
     def body(stage) -> dict[str, Any]:
         tokenizer = load_tokenizer(inspect_checkpoint(run.artifact))
@@ -202,7 +202,7 @@ def run_endpoint_smoke(
         result["endpoint"] = spec.base
         result["served_model"] = endpoint.model
         result["reference"] = reference_spec.base if reference_spec else str(reference_path)
-        atomic.write_json(stage.path(result), result)
+        atomic.write_json(stage.path(result_file), result)
         keys = ("loop_rate", "reference_loop_rate", "no_eos_rate", "distinct_2", "entropy_ratio", "batch_invariant")
         return {k: result[k] for k in keys}
 
@@ -221,5 +221,5 @@ def run_endpoint_smoke(
         if reference_endpoint is not None:
             reference_endpoint.close()
     cache.clear()
-    console.print(smoke_table(json.loads(run.path(result).read_text())))
+    console.print(smoke_table(json.loads(run.path(result_file).read_text())))
     return entry

@@ -87,11 +87,11 @@ def run_endpoint_speculator(
 ) -> dict[str, Any]:
     run.require("quantize")
     endpoint = Endpoint(spec)
-    result = at_endpoint(spec.slug, SPECULATOR_METRICS)
+    result_file = at_endpoint(spec.slug, SPECULATOR_METRICS)
 
     def body(stage: Stage) -> dict[str, Any]:
         metrics = measure_endpoint(run, settings, data, endpoint, concurrency)
-        atomic.write_json(stage.path(result), metrics)
+        atomic.write_json(stage.path(result_file), metrics)
         return {key: metrics[key] for key in ("acceptance_length", "num_speculative_tokens", "num_drafts")}
 
     inputs = {
@@ -108,5 +108,5 @@ def run_endpoint_speculator(
         )
     finally:
         endpoint.close()
-    console.print(endpoint_table(json.loads(run.path(result).read_text())))
+    console.print(endpoint_table(json.loads(run.path(result_file).read_text())))
     return entry
