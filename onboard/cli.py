@@ -41,7 +41,7 @@ from onboard.cli_options import (
 from onboard.cli_quant import bench_quant
 from onboard.cli_release import gate, report, smoke
 from onboard.errors import OnboardError
-from onboard.pipeline import DEMO_RECIPE, STAGES, profile_overrides, run_pipeline
+from onboard.pipeline import DEMO_RECIPE, STAGES, profile_overrides, run_pipeline, stage_context
 
 app = typer.Typer(
     help="Onboard a new open-weights model: quantize, evaluate, speculate, adapt, smoke-test, report, gate.",
@@ -93,18 +93,16 @@ def quantize(
     distributed.init()
     try:
         with distributed.run_root(out) as root:
-            run_pipeline(
+            ctx = stage_context(
                 model,
-                root,
-                ["quantize"],
                 recipe,
                 overrides,
-                calib,
-                None,
-                allow_pickle,
-                trust_remote_code,
+                calib=calib,
+                allow_pickle=allow_pickle,
+                trust_remote_code=trust_remote_code,
                 max_memory=budget,
             )
+            run_pipeline(ctx, root, ["quantize"])
     finally:
         distributed.finish()
 
@@ -272,21 +270,19 @@ def run(
     }
     chosen = [s.strip() for s in stages.split(",") if s.strip()]
     device = check_device(device)
-    code = run_pipeline(
+    ctx = stage_context(
         model,
-        out,
-        chosen,
         recipe,
         overrides,
-        calib,
-        data,
-        allow_pickle,
-        trust_remote_code,
-        junit,
-        device,
-        check_numerics(numerics),
-        memory_budget(max_memory),
+        calib=calib,
+        data=data,
+        allow_pickle=allow_pickle,
+        trust_remote_code=trust_remote_code,
+        device=device,
+        numerics=check_numerics(numerics),
+        max_memory=memory_budget(max_memory),
     )
+    code = run_pipeline(ctx, out, chosen, junit)
     raise typer.Exit(code)
 
 
@@ -316,16 +312,8 @@ def demo(
     from onboard.paths import RECIPES_DIR
 
     recipe = RECIPES_DIR / DEMO_RECIPE
-    code = run_pipeline(
-        checkpoint,
-        out,
-        list(STAGES),
-        recipe,
-        overrides,
-        junit=junit,
-        device=check_device(device),
-        numerics=numerics,
-    )
+    ctx = stage_context(checkpoint, recipe, overrides, device=check_device(device), numerics=numerics)
+    code = run_pipeline(ctx, out, list(STAGES), junit)
     raise typer.Exit(code)
 
 

@@ -36,6 +36,7 @@ def adapt(
     """Map the checkpoint onto the reference engine and prove logit parity with transformers; over
     --max-memory (both models resident), layer by layer as --layerwise."""
     from onboard.adapt.stage import adapt_plan, engine_model_for, resolve_target, run_adapt, run_layerwise
+    from onboard.budget import model_shape
     from onboard.models import inspect_checkpoint
     from onboard.workspace import RunDir
 
@@ -43,7 +44,7 @@ def adapt(
     torch_type, device = torch_dtype(dtype), check_device(device)
     checkpoint = inspect_checkpoint(model_dir, allow_pickle=allow_pickle)
     engine_model_for(checkpoint)  # an unsupported architecture fails before RUN_DIR is touched
-    layerwise = layerwise or adapt_plan(checkpoint, memory_budget(max_memory)).path == "streamed"
+    layerwise = layerwise or adapt_plan(model_shape(checkpoint.path), memory_budget(max_memory)).path == "streamed"
     if layerwise:
         from onboard.models.layers import check_layerwise
 

@@ -1,11 +1,23 @@
-"""`onboard run` and `onboard demo`: every stage in order, finished ones resumed, ending in a verdict."""
+"""`onboard run` and `onboard demo`: a loop over the stage table, finished stages resumed, ending in a verdict."""
 
+import importlib
 from pathlib import Path
 
-from onboard.budget import resolve_budget
+from onboard.budget import StagePlan, resolve_budget
 from onboard.errors import OnboardError
+from onboard.stage import StageContext, StageModule
 
-STAGES = ("quantize", "eval", "speculator", "adapt", "smoke", "report", "gate")
+# The stages that work in the run directory, in the order they run: each module has the pair
+# `plan(ctx)` and `run(run_dir, ctx)` (`onboard/stage.py`). A new stage is a package and a row here.
+STAGE_MODULES: dict[str, str] = {
+    "quantize": "onboard.quantize.stage",
+    "eval": "onboard.evaluate.stage",
+    "speculator": "onboard.speculator.stage",
+    "adapt": "onboard.adapt.stage",
+    "smoke": "onboard.smoke.stage",
+}
+# Then the run is judged: the verdict (gate.json) and the page that shows it (report.html).
+STAGES = (*STAGE_MODULES, "report", "gate")
 # The demo model's searched mixed-precision selection, pinned: the demo reproduces it, no search.
 DEMO_RECIPE = "smollm2-mixed.yaml"
 
@@ -48,70 +60,60 @@ def profile_overrides(profile: str) -> dict[str, tuple[str, object]]:
     return {f"--profile {profile} ({key})": (key, value) for key, value in DEMO_PROFILES[profile].items()}
 
 
-def run_pipeline(
+def stage_module(name: str) -> StageModule:
+    return importlib.import_module(STAGE_MODULES[name])  # type: ignore[return-value]
+
+
+def stage_context(
     model: Path,
-    out: Path,
-    stages: list[str],
     recipe: Path | None,
     overrides: dict[str, tuple[str, object]],
+    *,
     calib: Path | None = None,
     data: Path | None = None,
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
-    junit: Path | None = None,
     device: str = "cpu",
     numerics: str = "fast",
     max_memory: int | None = None,
-) -> int:
-    """Run `stages` of STAGES in order (engines on `device`, serving in `numerics`; adapt judges both),
-    each in memory or streamed as the plan for `max_memory` (bytes; None: the default budget) says;
-    the gate's exit code when it ran, else 0."""
+) -> StageContext:
+    """Everything the user gave, checked before any run directory is touched: the model, the recipe
+    with `overrides`, the data files, the budget (`max_memory` bytes; None: the default) and the
+    recipe's (or the command line's) deployment."""
     from onboard.cli_options import existing_data, recipe_with_overrides
     from onboard.models import resolve_model
+
+    checkpoint = resolve_model(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    resolved = recipe_with_overrides(checkpoint, recipe, overrides)
+    spec, reference_spec = deployment_specs(resolved.deployment)
+    return StageContext(
+        checkpoint=checkpoint,
+        recipe=resolved,
+        budget=resolve_budget(max_memory),
+        device=device,
+        numerics=numerics,
+        endpoint=spec,
+        reference_endpoint=reference_spec,
+        calib=existing_data(calib),
+        data=existing_data(data),
+    )
+
+
+def run_pipeline(ctx: StageContext, out: Path, stages: list[str], junit: Path | None = None) -> int:
+    """Run `stages` of STAGES in table order (engines on `ctx.device`, serving in `ctx.numerics`;
+    adapt judges both), each in memory or streamed as its plan under `ctx.budget` says; the
+    gate's exit code when it ran, else 0."""
     from onboard.workspace import RunDir
 
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise OnboardError(f"unknown stage {unknown[0]!r}; stages are {', '.join(STAGES)}")
-    # Everything the user gave is checked before the run directory is touched.
-    checkpoint = resolve_model(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
-    resolved = recipe_with_overrides(checkpoint, recipe, overrides)
-    calib, data = existing_data(calib), existing_data(data)
-    budget = resolve_budget(max_memory)
-    plans = {plan.stage: plan for plan in run_plan(checkpoint, resolved, stages, budget)}
-    spec, reference_spec = deployment_specs(resolved.deployment)
+    run_plan(ctx, stages)  # a stage that fits no path refuses here, before the run directory exists
     with RunDir(out) as run:
-        run.record_recipe(resolved)
-        if "quantize" in stages:
-            from onboard.quantize.stage import run_quantize
-
-            run_quantize(run, checkpoint, resolved.quantize, calib, budget)
-        if "eval" in stages:
-            from onboard.evaluate.stage import run_eval
-
-            run_eval(run, resolved.eval, data, max_memory=budget)
-        if "speculator" in stages:
-            from onboard.speculator.stage import run_speculator
-
-            run_speculator(
-                run, resolved.speculator, None, device=device, numerics=numerics, max_memory=budget, endpoint=spec
-            )
-        if "adapt" in stages:
-            from onboard.adapt.stage import run_adapt, run_layerwise
-            from onboard.models import inspect_checkpoint
-
-            run.require("quantize")
-            streamed = plans["adapt"].path == "streamed"
-            (run_layerwise if streamed else run_adapt)(run, inspect_checkpoint(run.artifact), device)
-        if "smoke" in stages:
-            if plans["smoke"].path == "endpoint":
-                from onboard.smoke.endpoint import run_endpoint_smoke
-
-                run_endpoint_smoke(run, resolved.smoke, data, spec, reference_spec, device, numerics)
-            else:
-                from onboard.smoke.stage import run_smoke
-
-                run_smoke(run, resolved.smoke, data, device, numerics)
+        run.record_recipe(ctx.recipe)
+        for name in STAGE_MODULES:
+            if name in stages:
+                stage_module(name).run(run, ctx)
         return finish(run.root, "report" in stages, "gate" in stages, junit)
 
 
@@ -125,36 +127,13 @@ def deployment_specs(deployment):
     return spec, reference_spec
 
 
-def run_plan(checkpoint, recipe, stages: list[str], budget: int) -> list:
-    """Each chosen stage's path under `budget`, printed as a table before anything runs; a stage
-    that fits no path refuses in one line here, before the run directory is touched.  Estimates
-    use the unquantized checkpoint for both sides (the artifact is smaller)."""
-    from onboard.budget import model_shape, plan_stage, plan_table
+def run_plan(ctx: StageContext, stages: list[str]) -> list[StagePlan]:
+    """Each chosen stage's path under the budget, printed as a table before anything runs."""
+    from onboard.budget import plan_table
     from onboard.console import console
-    from onboard.quantize.stage import quantize_plan
 
-    shape = model_shape(checkpoint.path)
-    deployment = recipe.deployment
-    plans = []
-    if "quantize" in stages:
-        plans.append(quantize_plan(checkpoint, recipe.quantize, budget))
-    if "eval" in stages:
-        tokens = recipe.eval.max_tokens + shape.num_layers * recipe.eval.per_layer_tokens
-        plans.append(plan_stage("eval", shape, budget, tokens))
-    if "speculator" in stages:
-        from onboard.speculator.stage import speculator_plan
-
-        # over the budget: trained on streamed data, measured on --endpoint when given
-        plans.append(speculator_plan(checkpoint.path, recipe.speculator, budget, bool(deployment.endpoint)))
-    if "adapt" in stages:
-        from onboard.adapt.stage import adapt_plan
-
-        plans.append(adapt_plan(checkpoint, budget))
-    if "smoke" in stages:
-        both = bool(deployment.endpoint and deployment.reference_endpoint)
-        options = "--endpoint URL --reference-endpoint URL"
-        plans.append(plan_stage("smoke", shape, budget, 0, endpoint=both, options=options))
-    console.print(plan_table(plans, budget))
+    plans = [stage_module(name).plan(ctx) for name in STAGE_MODULES if name in stages]
+    console.print(plan_table(plans, ctx.budget))
     return plans
 
 

@@ -7,7 +7,7 @@ import pytest
 from build_once import copy_of
 
 from onboard.paths import RECIPES_DIR
-from onboard.pipeline import DEMO_PROFILES, DEMO_RECIPE, STAGES, profile_overrides, run_pipeline
+from onboard.pipeline import DEMO_PROFILES, DEMO_RECIPE, STAGES, profile_overrides, run_pipeline, stage_context
 from onboard.recipes import load_recipe, with_overrides
 
 TINY = {
@@ -42,13 +42,13 @@ def overrides(**extra: object) -> dict[str, tuple[str, object]]:
 def quantized(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`onboard run --stages quantize` with TINY, once: the runs below take copies and resume it."""
     out = tmp_path_factory.mktemp("pipeline") / "run"
-    assert run_pipeline(tiny_llama, out, ["quantize"], None, overrides()) == 0
+    assert run_pipeline(stage_context(tiny_llama, None, overrides()), out, ["quantize"]) == 0
     return out
 
 
 def test_every_stage_then_the_verdict_as_exit_code(tiny_llama: Path, quantized: Path, tmp_path: Path, capsys) -> None:
     out = copy_of(quantized, tmp_path / "run")
-    code = run_pipeline(tiny_llama, out, list(STAGES), None, overrides())
+    code = run_pipeline(stage_context(tiny_llama, None, overrides()), out, list(STAGES))
     gate = json.loads((out / "gate.json").read_text())
     assert gate["complete"] and code == (0 if gate["passed"] else 1)
     manifest = json.loads((out / "manifest.json").read_text())
@@ -65,7 +65,7 @@ def test_every_stage_then_the_verdict_as_exit_code(tiny_llama: Path, quantized: 
     # A threshold no run can meet turns the verdict, and the exit code, to a failure; every stage
     # is resumed from the manifest rather than redone.
     capsys.readouterr()
-    code = run_pipeline(tiny_llama, out, list(STAGES), None, overrides(**{"gate.max_mean_kld": 0.0}))
+    code = run_pipeline(stage_context(tiny_llama, None, overrides(**{"gate.max_mean_kld": 0.0})), out, list(STAGES))
     assert code == 1 and not json.loads((out / "gate.json").read_text())["passed"]
     assert capsys.readouterr().err.count("cached, inputs unchanged") == 5
 
@@ -74,7 +74,7 @@ def test_a_run_without_the_stages_the_gate_needs_is_incomplete(
     tiny_llama: Path, quantized: Path, tmp_path: Path
 ) -> None:
     out = copy_of(quantized, tmp_path / "run")
-    code = run_pipeline(tiny_llama, out, ["quantize", "report", "gate"], None, overrides())
+    code = run_pipeline(stage_context(tiny_llama, None, overrides()), out, ["quantize", "report", "gate"])
     gate = json.loads((out / "gate.json").read_text())
     assert code == 2 and gate["missing"] == ["eval", "speculator", "adapt", "smoke"]
     assert "INCOMPLETE" in (out / "report.html").read_text()
@@ -95,7 +95,7 @@ def test_demo_profiles_are_valid_recipe_overrides(profile: str) -> None:
 def test_every_stage_on_a_dsa_model(tiny_deepseek_v32: Path, tmp_path: Path) -> None:
     """MLA + DSA + DeepSeek MoE through quantize, eval, speculator, adapt, smoke, report and gate."""
     out = tmp_path / "run"
-    code = run_pipeline(tiny_deepseek_v32, out, list(STAGES), None, overrides())
+    code = run_pipeline(stage_context(tiny_deepseek_v32, None, overrides()), out, list(STAGES))
     gate = json.loads((out / "gate.json").read_text())
     assert gate["complete"] and code == (0 if gate["passed"] else 1)
     manifest = json.loads((out / "manifest.json").read_text())

@@ -12,12 +12,14 @@ from rich.table import Table
 
 from onboard import atomic
 from onboard.adapt.parity import compare_greedy, compare_logits
+from onboard.budget import ModelShape, StagePlan, plan_stage
 from onboard.console import console
 from onboard.data import builtin_records, chat_prompts
 from onboard.errors import OnboardError
 from onboard.evaluate.kl import KLStats
 from onboard.hashing import fingerprint
 from onboard.models import Checkpoint, inspect_checkpoint, load_model, load_tokenizer
+from onboard.stage import StageContext, StageResult
 from onboard.workspace import LAYERWISE, PARITY, RunDir, Stage, is_run
 
 NUM_PROMPTS = 16
@@ -302,11 +304,9 @@ def parity_table(result: dict[str, Any]) -> Table:
     return table
 
 
-def adapt_plan(checkpoint: Checkpoint, budget: int):
+def adapt_plan(shape: ModelShape, budget: int) -> StagePlan:
     """Whole-model parity holds transformers' model and the engine's; streamed is `--layerwise`."""
-    from onboard.budget import model_shape, plan_stage
-
-    return plan_stage("adapt", model_shape(checkpoint.path), budget, 4096)
+    return plan_stage("adapt", shape, budget, 4096)
 
 
 def run_adapt(
@@ -380,3 +380,14 @@ def resolve_target(path: Path, out: Path | None) -> tuple[Path, Path]:
     if out is None:
         raise OnboardError(f"{path} is a checkpoint, not a run directory: pass --out DIR for the results")
     return path, out
+
+
+def plan(ctx: StageContext) -> StagePlan:
+    return adapt_plan(ctx.shape, ctx.budget)
+
+
+def run(run_dir: RunDir, ctx: StageContext) -> StageResult:
+    """The artifact against its source: whole models, or one decoder layer at a time over the budget."""
+    run_dir.require("quantize")
+    streamed = plan(ctx).path == "streamed"
+    return (run_layerwise if streamed else run_adapt)(run_dir, inspect_checkpoint(run_dir.artifact), ctx.device)

@@ -9,7 +9,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from onboard import atomic
-from onboard.budget import StagePlan, human, model_shape, plan_stage, resolve_budget
+from onboard.budget import ModelShape, StagePlan, human, model_shape, plan_stage, resolve_budget
 from onboard.console import console
 from onboard.data import builtin_records, load_records, pack_tokens, tokens_by_traffic
 from onboard.errors import OnboardError
@@ -22,6 +22,7 @@ from onboard.memory import release_freed_memory
 from onboard.models import inspect_checkpoint, load_model, load_tokenizer
 from onboard.paths import CALIBRATION_DIR
 from onboard.recipes import Eval
+from onboard.stage import StageContext, StageResult
 from onboard.workspace import KL, SELECTION, RunDir, Stage, folder
 
 CHUNK = 128  # positions per float32 logit block: 128 x vocab floats at a time
@@ -97,12 +98,12 @@ def measure_kl(reference, quantized, windows: list[tuple[str, list[int]]]) -> di
     return stats
 
 
-def eval_plan(reference: Path, artifact: Path, settings: Eval, budget: int) -> StagePlan:
-    """In memory (both models resident) or streamed (two passes, one layer at a time); the
-    per-layer KL's streams hold 2 x layers x per_layer_tokens hidden states."""
-    shape = model_shape(artifact)
+def eval_plan(shape: ModelShape, reference: ModelShape, settings: Eval, budget: int) -> StagePlan:
+    """The artifact's `shape` against the `reference`: in memory (both models resident) or streamed
+    (two passes, one layer at a time); the per-layer KL's streams hold 2 x layers x per_layer_tokens
+    hidden states."""
     tokens = settings.max_tokens + shape.num_layers * settings.per_layer_tokens
-    return plan_stage("eval", shape, budget, tokens, reference=model_shape(reference), options="--endpoint URL")
+    return plan_stage("eval", shape, budget, tokens, reference=reference, options="--endpoint URL")
 
 
 def run_eval(
@@ -110,7 +111,7 @@ def run_eval(
 ) -> dict[str, Any]:
     quantize = run.require("quantize")
     reference_path = run.source
-    plan = eval_plan(reference_path, run.artifact, settings, resolve_budget(max_memory))
+    plan = eval_plan(model_shape(run.artifact), model_shape(reference_path), settings, resolve_budget(max_memory))
 
     def body(stage: Stage) -> dict[str, Any]:
         torch.manual_seed(0)
@@ -157,3 +158,12 @@ def run_eval(
     if out:
         atomic.write_json(out, result)
     return entry
+
+
+def plan(ctx: StageContext) -> StagePlan:
+    """Before quantize, the unquantized checkpoint stands for both sides (the artifact is smaller)."""
+    return eval_plan(ctx.shape, ctx.shape, ctx.recipe.eval, ctx.budget)
+
+
+def run(run_dir: RunDir, ctx: StageContext) -> StageResult:
+    return run_eval(run_dir, ctx.recipe.eval, ctx.data, max_memory=ctx.budget)

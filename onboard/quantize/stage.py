@@ -37,6 +37,7 @@ from onboard.quantize.mtp_carry import carry_mtp
 from onboard.quantize.offloaded import conversion_mappings_kept, is_offloaded, load_offloaded
 from onboard.quantize.schemes import LADDERS, SCHEMES
 from onboard.recipes import Quantize
+from onboard.stage import StageContext, StageResult
 from onboard.workspace import ARTIFACT, SELECTION, RunDir, Stage, folder
 
 SHARD_SIZE = "2GB"
@@ -55,12 +56,11 @@ def quantize_inputs(checkpoint: Checkpoint, settings: Quantize, calib: Path | No
     }
 
 
-def quantize_plan(checkpoint: Checkpoint, settings: Quantize, budget: int) -> StagePlan:
+def quantize_plan(shape: ModelShape, settings: Quantize, budget: int) -> StagePlan:
     """In memory, or streamed through llm-compressor's offloaded loading and sequential pipeline
     (the calibration samples' inputs of one layer resident).  `auto` plans the larger of its
     selection's peak (a model per format, the reference's distribution on the search tokens) and
     its calibration's.  Under torchrun every rank loads offloaded, whatever the budget."""
-    shape = model_shape(checkpoint.path)
     tokens = settings.calibration.num_samples * settings.calibration.max_seq_length
     calibration = estimate("quantize", shape, tokens)
     peaks = calibration
@@ -93,7 +93,7 @@ def run_quantize(
     run: RunDir, checkpoint: Checkpoint, settings: Quantize, calib: Path | None, max_memory: int | None = None
 ) -> dict[str, Any]:
     budget = resolve_budget(max_memory)
-    plan = quantize_plan(checkpoint, settings, budget)
+    plan = quantize_plan(model_shape(checkpoint.path), settings, budget)
     distributed.check(settings.scheme, settings.calibration.num_samples, getattr(settings.method, "smoothing", "none"))
     if plan.path == "streamed" and (
         settings.method == "auto"
@@ -252,3 +252,11 @@ def run_quantize(
         if not runs and distributed.rank() != 0:
             return {}
     return run.run_stage("quantize", inputs, outputs=outputs, body=body)
+
+
+def plan(ctx: StageContext) -> StagePlan:
+    return quantize_plan(ctx.shape, ctx.recipe.quantize, ctx.budget)
+
+
+def run(run_dir: RunDir, ctx: StageContext) -> StageResult:
+    return run_quantize(run_dir, ctx.checkpoint, ctx.recipe.quantize, ctx.calib, ctx.budget)

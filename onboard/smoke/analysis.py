@@ -3,6 +3,8 @@
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rich.table import Table
+
 from onboard.data import ChatPrompt
 from onboard.recipes import Smoke
 from onboard.smoke.detectors import (
@@ -157,3 +159,14 @@ def worst_cases(
                 }
             )
     return cases
+
+
+def smoke_table(result: dict[str, Any]) -> Table:
+    table = Table(title=f"smoke: {result['num_prompts']} prompts x {', '.join(result['modes'])}", title_justify="left")
+    for column in ("detector", "artifact", "reference", "difference"):
+        table.add_column(column, justify="left" if column == "detector" else "right")
+    for row in result["detectors"]:
+        table.add_row(row["name"], f"{row['artifact']:.3f}", f"{row['reference']:.3f}", f"{row['difference']:+.3f}")
+    diverged = result["invariance"]["diverged"]
+    table.add_row("batch invariant", str(result["batch_invariant"]), "", f"{len(diverged)} divergences")
+    return table

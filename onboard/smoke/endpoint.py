@@ -33,10 +33,10 @@ from onboard.hashing import fingerprint
 from onboard.models import inspect_checkpoint, load_tokenizer
 from onboard.paths import CALIBRATION_DIR
 from onboard.recipes import Smoke
-from onboard.smoke.analysis import Side, compare, worst_cases
+from onboard.smoke.analysis import Side, compare, smoke_table, worst_cases
 from onboard.smoke.detectors import first_divergence
 from onboard.smoke.passes import Output, generate
-from onboard.smoke.stage import smoke_prompts, smoke_table
+from onboard.smoke.prompts import smoke_prompts
 from onboard.workspace import CACHE, SMOKE, at_endpoint, folder
 
 MODES = ("greedy", "sampled")

@@ -14,36 +14,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.table import Table
 
 from onboard import atomic
+from onboard.budget import StagePlan, plan_stage
 from onboard.console import console
-from onboard.data import ChatPrompt, builtin_records, chat_prompts, load_records
+from onboard.data import ChatPrompt
 from onboard.engine import EngineConfig, LLMEngine
 from onboard.hashing import fingerprint
 from onboard.paths import CALIBRATION_DIR
 from onboard.recipes import Smoke
-from onboard.smoke.analysis import Side, compare, worst_cases
+from onboard.smoke.analysis import Side, compare, smoke_table, worst_cases
 from onboard.smoke.invariance import check_invariance, check_speculative
 from onboard.smoke.passes import generate, params_for
+from onboard.smoke.prompts import smoke_prompts
+from onboard.stage import StageContext, StageResult
 from onboard.workspace import SMOKE, RunDir, Stage, folder
 
 MODES = ("greedy", "sampled")
-MAX_PROMPT_TOKENS = 1024
 # Room for every prompt at once: max_num_seqs sequences of prompt + max_tokens, in 16-token blocks.
 _NUM_BLOCKS = 8192
-
-
-def smoke_prompts(tokenizer, config: Smoke, data: Path | None) -> list[ChatPrompt]:
-    """`num_prompts` chat prompts: DATA's, or the built-in sets (eval split first, every traffic
-    type interleaved). Prompts longer than MAX_PROMPT_TOKENS are skipped, not cut: a cut chat
-    prompt loses its assistant header and the model would continue the user's text."""
-    records = (
-        load_records(data)
-        if data
-        else builtin_records("eval", stdlib_files=0) + builtin_records("calib", stdlib_files=0)
-    )
-    return chat_prompts(records, tokenizer, max_tokens=MAX_PROMPT_TOKENS, fit="skip", limit=config.num_prompts)
 
 
 def _side(engine: LLMEngine, prompts: list[ChatPrompt], config: Smoke, label: str) -> tuple[dict, float]:
@@ -103,17 +92,6 @@ def measure_smoke(
     }
 
 
-def smoke_table(result: dict[str, Any]) -> Table:
-    table = Table(title=f"smoke: {result['num_prompts']} prompts x {', '.join(result['modes'])}", title_justify="left")
-    for column in ("detector", "artifact", "reference", "difference"):
-        table.add_column(column, justify="left" if column == "detector" else "right")
-    for row in result["detectors"]:
-        table.add_row(row["name"], f"{row['artifact']:.3f}", f"{row['reference']:.3f}", f"{row['difference']:+.3f}")
-    diverged = result["invariance"]["diverged"]
-    table.add_row("batch invariant", str(result["batch_invariant"]), "", f"{len(diverged)} divergences")
-    return table
-
-
 def run_smoke(
     run: RunDir, config: Smoke, data: Path | None, device: str = "cpu", numerics: str = "fast"
 ) -> dict[str, Any]:
@@ -137,3 +115,19 @@ def run_smoke(
     entry = run.run_stage("smoke", inputs, outputs=[folder(SMOKE)], body=body)
     console.print(smoke_table(json.loads(run.path(SMOKE).read_text())))
     return entry
+
+
+def plan(ctx: StageContext) -> StagePlan:
+    """Generating holds both models whole; over the budget, only a deployment of each can run it."""
+    both = bool(ctx.endpoint and ctx.reference_endpoint)
+    options = "--endpoint URL --reference-endpoint URL"
+    return plan_stage("smoke", ctx.shape, ctx.budget, 0, endpoint=both, options=options)
+
+
+def run(run_dir: RunDir, ctx: StageContext) -> StageResult:
+    if plan(ctx).path == "endpoint":
+        from onboard.smoke.endpoint import run_endpoint_smoke
+
+        args = (ctx.recipe.smoke, ctx.data, ctx.endpoint, ctx.reference_endpoint, ctx.device, ctx.numerics)
+        return run_endpoint_smoke(run_dir, *args)
+    return run_smoke(run_dir, ctx.recipe.smoke, ctx.data, ctx.device, ctx.numerics)

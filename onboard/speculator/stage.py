@@ -71,6 +71,7 @@ from onboard.speculator.teacher import (
     teacher_forced_code,
 )
 from onboard.speculator.work import captured_data, data_metrics, finish, train_captured
+from onboard.stage import StageContext, StageResult
 from onboard.workspace import DRAFT, SPECULATOR_METRICS, SPECULATOR_WORK, RunDir, Stage, folder
 
 DATA_SETTINGS = {  # the settings the captured data depends on
@@ -168,7 +169,7 @@ def speculator_peaks(shape: ModelShape, settings: SpeculatorSettings, tokens: in
 
 
 def speculator_plan(
-    checkpoint_path: Path,
+    shape: ModelShape,
     settings: SpeculatorSettings,
     budget: int,
     endpoint: bool,
@@ -179,7 +180,6 @@ def speculator_plan(
     only when it comes to that; None: `streamed_tokens_bound`); a one-line OnboardError when
     neither fits (`budget.plan_stage`). The paths hold different data, so each is estimated on its
     own tokens."""
-    shape = model_shape(checkpoint_path)
     options = "--endpoint URL"
 
     def peaks(tokens: int) -> tuple[int, int]:
@@ -231,7 +231,7 @@ def run_speculator(
         return sum(len(seq.token_ids) for part in sources.values() for seq in part)
 
     checkpoint = Path(states_from or run.artifact)
-    plan = speculator_plan(checkpoint, settings, budget, endpoint is not None, streamed_tokens)
+    plan = speculator_plan(model_shape(checkpoint), settings, budget, endpoint is not None, streamed_tokens)
     if plan.path == "endpoint":
         raise OnboardError(
             f"speculator: training needs about {human(plan.streamed or plan.in_memory)} streamed, over the "
@@ -377,3 +377,15 @@ def _in_memory_body(
         return {k: metrics[k] for k in ("acceptance_length", "speedup", "num_speculative_tokens")}
 
     return body
+
+
+def plan(ctx: StageContext) -> StagePlan:
+    """Over the budget: trained on streamed data, measured on `ctx.endpoint` when given."""
+    return speculator_plan(ctx.shape, ctx.recipe.speculator, ctx.budget, ctx.endpoint is not None)
+
+
+def run(run_dir: RunDir, ctx: StageContext) -> StageResult:
+    settings = ctx.recipe.speculator
+    return run_speculator(
+        run_dir, settings, None, device=ctx.device, numerics=ctx.numerics, max_memory=ctx.budget, endpoint=ctx.endpoint
+    )

@@ -48,7 +48,7 @@ def test_streamed_eval_equals_in_memory(
         copy_of(quantized, tmp_path / "streamed"),
     )
     budget = streaming_budget(checkpoint, streamed_root / "artifact", EVAL)
-    assert eval_plan(checkpoint, streamed_root / "artifact", EVAL, budget).path == "streamed"
+    assert eval_plan(model_shape(streamed_root / "artifact"), model_shape(checkpoint), EVAL, budget).path == "streamed"
 
     expected, expected_metrics = evaluate(in_memory_root, None)
     got, metrics = evaluate(streamed_root, budget)

@@ -37,7 +37,7 @@ def quantized(root: Path, checkpoint: Path, max_memory: int | None) -> dict:
 def test_streamed_artifact_is_byte_identical(family: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     checkpoint = request.getfixturevalue(family)
     budget = streaming_budget(checkpoint, SETTINGS)
-    assert quantize_plan(inspect_checkpoint(checkpoint), SETTINGS, budget).path == "streamed"
+    assert quantize_plan(model_shape(checkpoint), SETTINGS, budget).path == "streamed"
     assert quantized(tmp_path / "a", checkpoint, None)["memory_path"] == "in-memory"
     assert quantized(tmp_path / "b", checkpoint, budget)["memory_path"] == "streamed"
     files = sorted(p.name for p in (tmp_path / "a/artifact").iterdir())
@@ -93,12 +93,11 @@ def test_search_plans_its_selection_and_refuses_over_the_streamed_peak(tiny_llam
     selection = estimate("selection", shape, settings.search.tokens)
     calibration = estimate("quantize", shape, settings.calibration.num_samples * settings.calibration.max_seq_length)
     in_memory, streamed = max(selection[0], calibration[0]), max(selection[1], calibration[1])
-    checkpoint = inspect_checkpoint(tiny_llama)
-    assert quantize_plan(checkpoint, settings, in_memory).path == "in-memory"
-    plan = quantize_plan(checkpoint, settings, in_memory - 1)
+    assert quantize_plan(shape, settings, in_memory).path == "in-memory"
+    plan = quantize_plan(shape, settings, in_memory - 1)
     assert (plan.path, plan.in_memory, plan.streamed) == ("streamed", in_memory, streamed)
     with pytest.raises(OnboardError, match=r"^quantize needs about .* streamed, over the"):
-        quantize_plan(checkpoint, settings, streamed - 1)
+        quantize_plan(shape, settings, streamed - 1)
 
 
 @pytest.mark.parametrize(
@@ -113,9 +112,9 @@ def test_search_plans_its_selection_and_refuses_over_the_streamed_peak(tiny_llam
 )
 def test_what_runs_in_memory_only_is_refused_streamed(tiny_llama: Path, tmp_path: Path, update: dict) -> None:
     settings = Quantize(**{**SETTINGS.model_dump(), **update})
-    whole = quantize_plan(inspect_checkpoint(tiny_llama), settings, 1 << 50)
+    whole = quantize_plan(model_shape(tiny_llama), settings, 1 << 50)
     budget = (whole.in_memory + whole.streamed) // 2
-    assert quantize_plan(inspect_checkpoint(tiny_llama), settings, budget).path == "streamed"
+    assert quantize_plan(model_shape(tiny_llama), settings, budget).path == "streamed"
     refusal = r"^quantize is over the memory budget .* in memory only"
     with pytest.raises(OnboardError, match=refusal), RunDir(tmp_path / "run") as run:
         run_quantize(run, inspect_checkpoint(tiny_llama), settings, None, budget)
@@ -130,9 +129,9 @@ def test_what_runs_in_memory_only_is_refused_streamed(tiny_llama: Path, tmp_path
 def test_in_memory_only_steps_plan_their_extra_copy(tiny_llama: Path, update: dict) -> None:
     """A candidate's copy, a teacher or a smoothed copy is one more model held: at least the
     checkpoint's size above the same settings without the step, and streaming is unchanged."""
-    checkpoint = inspect_checkpoint(tiny_llama)
+    shape = model_shape(tiny_llama)
     settings = Quantize(**{**SETTINGS.model_dump(), **update})
     plain = settings.model_copy(update={"method": Method(), "distill_tokens": 0})
-    with_step, without = quantize_plan(checkpoint, settings, 1 << 50), quantize_plan(checkpoint, plain, 1 << 50)
-    assert with_step.in_memory >= without.in_memory + model_shape(tiny_llama).total_bytes
+    with_step, without = quantize_plan(shape, settings, 1 << 50), quantize_plan(shape, plain, 1 << 50)
+    assert with_step.in_memory >= without.in_memory + shape.total_bytes
     assert with_step.streamed == without.streamed

@@ -52,7 +52,7 @@ def test_streamed_selection_equals_in_memory(
 ) -> None:
     checkpoint = request.getfixturevalue(family)
     budget = streaming_budget(checkpoint)
-    assert quantize_plan(inspect_checkpoint(checkpoint), SETTINGS, budget).path == "streamed"
+    assert quantize_plan(model_shape(checkpoint), SETTINGS, budget).path == "streamed"
     in_memory = quantized_run(checkpoint, SETTINGS)  # the same run test_selection.py reads
     metrics_a = stage_entry(in_memory, "quantize")["metrics"]
     a = json.loads((in_memory / "quantize/selection.json").read_text())

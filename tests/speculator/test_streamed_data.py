@@ -179,6 +179,7 @@ def _between(run_dir: Path, settings: SpeculatorSettings = SETTINGS) -> int:
 
 def test_plan_estimates_each_path_on_its_own_data(quantized: Path) -> None:
     artifact = quantized / "artifact"
+    shape = model_shape(artifact)
     in_memory, streamed = _peaks(quantized)
     tokens = _streamed_tokens(quantized)
     calls = []
@@ -187,20 +188,20 @@ def test_plan_estimates_each_path_on_its_own_data(quantized: Path) -> None:
         calls.append(1)
         return tokens
 
-    plan = speculator_plan(artifact, SETTINGS, in_memory, endpoint=False, streamed_tokens=counted)
+    plan = speculator_plan(shape, SETTINGS, in_memory, endpoint=False, streamed_tokens=counted)
     assert plan.path == "in-memory" and plan.in_memory == in_memory and not calls  # not tokenized: not needed
-    plan = speculator_plan(artifact, SETTINGS, in_memory - 1, endpoint=False, streamed_tokens=counted)
+    plan = speculator_plan(shape, SETTINGS, in_memory - 1, endpoint=False, streamed_tokens=counted)
     assert (plan.path, plan.in_memory, plan.streamed) == ("streamed", in_memory, streamed) and calls == [1]
-    assert speculator_plan(artifact, SETTINGS, streamed, endpoint=False, streamed_tokens=counted).path == "streamed"
+    assert speculator_plan(shape, SETTINGS, streamed, endpoint=False, streamed_tokens=counted).path == "streamed"
     with pytest.raises(OnboardError, match=r"^speculator needs about .* streamed, over the .*--endpoint URL$"):
-        speculator_plan(artifact, SETTINGS, streamed - 1, endpoint=False, streamed_tokens=counted)
-    assert speculator_plan(artifact, SETTINGS, streamed - 1, endpoint=True, streamed_tokens=counted).path == "endpoint"
+        speculator_plan(shape, SETTINGS, streamed - 1, endpoint=False, streamed_tokens=counted)
+    assert speculator_plan(shape, SETTINGS, streamed - 1, endpoint=True, streamed_tokens=counted).path == "endpoint"
     # Without the data: each sequence at its longest.
     bound = speculator_peaks(model_shape(artifact), SETTINGS, streamed_tokens_bound(SETTINGS))[1]
-    assert speculator_plan(artifact, SETTINGS, in_memory - 1, endpoint=False).streamed == bound > streamed
+    assert speculator_plan(shape, SETTINGS, in_memory - 1, endpoint=False).streamed == bound > streamed
     # The draft's training is planned too: longer batches, a larger peak on the same data.
     longer = SETTINGS.model_copy(update={"batch_sequences": 4 * SETTINGS.batch_sequences})
-    assert speculator_plan(artifact, longer, 0, endpoint=True, streamed_tokens=counted).streamed > streamed
+    assert speculator_plan(shape, longer, 0, endpoint=True, streamed_tokens=counted).streamed > streamed
 
 
 def test_over_budget_trains_streamed_and_leaves_acceptance_unmeasured(

@@ -1,0 +1,52 @@
+"""The one shape every stage has: a module with `plan(ctx) -> StagePlan` and
+`run(run_dir, ctx) -> StageResult`, listed in `pipeline.STAGE_MODULES`.
+
+`plan` says, before the run directory is touched, which path the stage takes under the memory
+budget (or refuses in one line); `run` does the work in a `RunDir`, resuming a finished stage with
+the same inputs.  Both read everything the user gave from one `StageContext`, built once per
+command (`pipeline.stage_context`).  `docs/adding-a-stage.md` walks through adding one.
+"""
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from onboard.budget import ModelShape, StagePlan, model_shape
+
+if TYPE_CHECKING:
+    from onboard.endpoint import EndpointSpec
+    from onboard.models import Checkpoint
+    from onboard.recipes import Recipe
+    from onboard.workspace import RunDir
+
+# What `run` returns: the stage's manifest entry (status, inputs, outputs, metrics).
+StageResult = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """Everything a stage may read besides its run directory, checked before any stage runs."""
+
+    checkpoint: "Checkpoint"  # the source model, resolved and validated
+    recipe: "Recipe"  # with the command line's overrides applied
+    budget: int  # bytes (--max-memory, or the default share of this machine)
+    device: str = "cpu"
+    numerics: str = "fast"
+    endpoint: "EndpointSpec | None" = None  # the artifact served (--endpoint)
+    reference_endpoint: "EndpointSpec | None" = None  # the unquantized reference served
+    calib: Path | None = None  # the calibration data, None: the built-in set
+    data: Path | None = None  # the evaluation and smoke prompts, None: the built-in set
+
+    @cached_property
+    def shape(self) -> ModelShape:
+        """The source model's shape, from its safetensors headers: parsed once, for every plan."""
+        return model_shape(self.checkpoint.path)
+
+
+class StageModule(Protocol):
+    """What `pipeline.STAGE_MODULES` names: a module (`onboard/<stage>/stage.py`) with these two."""
+
+    def plan(self, ctx: StageContext) -> StagePlan: ...
+
+    def run(self, run_dir: "RunDir", ctx: StageContext) -> StageResult: ...
