@@ -80,8 +80,9 @@ def stage_context(
     """Everything the user gave, checked before any run directory is touched: the model, the recipe
     with `overrides`, the data files, the budget (`max_memory` bytes; None: the default) and the
     recipe's (or the command line's) deployment."""
-    from onboard.cli_options import existing_data, recipe_with_overrides
+    from onboard.data import existing_data
     from onboard.models import resolve_model
+    from onboard.recipes import recipe_with_overrides
 
     checkpoint = resolve_model(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     resolved = recipe_with_overrides(checkpoint, recipe, overrides)

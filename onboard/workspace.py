@@ -296,6 +296,11 @@ def is_run(path: Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
+def model_dir_of(path: Path) -> Path:
+    """A run directory's artifact, or the checkpoint directory itself."""
+    return path / ARTIFACT if is_run(path) else path
+
+
 def read_manifest(root: Path) -> dict[str, Any]:
     path = Path(root) / MANIFEST
     if not path.exists():

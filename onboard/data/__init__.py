@@ -3,7 +3,7 @@ into token windows or the chat prompts a model answers."""
 
 from onboard.data.builtin import TRAFFIC_TYPES, builtin_records
 from onboard.data.holdout import Split, split_of
-from onboard.data.load import load_records
+from onboard.data.load import existing_data, load_records
 from onboard.data.mix import interleave, tokens_by_traffic
 from onboard.data.prompts import FIT_POLICIES, ChatPrompt, Fit, chat_prompts
 from onboard.data.record import Message, Record
@@ -20,6 +20,7 @@ __all__ = [
     "Split",
     "builtin_records",
     "chat_prompts",
+    "existing_data",
     "interleave",
     "load_records",
     "pack_tokens",

@@ -47,3 +47,10 @@ def load_records(path: str | Path) -> list[Record]:
     if not records:
         raise data_error(f"{path} contains no usable text: {hint}")
     return records
+
+
+def existing_data(path: Path | None) -> Path | None:
+    """Read DATA once up front, so an empty or unreadable file fails before any stage starts."""
+    if path is not None:
+        load_records(path)
+    return path

@@ -32,11 +32,10 @@ import os
 import sys
 from pathlib import Path
 
-from onboard.cli_options import model_dir_of
 from onboard.deploy.artifact import context_length_of, quantization_of, read_config, speculator_of
 from onboard.deploy.command import API_KEY_ENV, ENGINES, Deployment, check_engine_name, command, script_text, shell_line
 from onboard.deploy.launch import check_engine, exec_engine, write_script
-from onboard.workspace import is_run
+from onboard.workspace import is_run, model_dir_of
 
 __all__ = ["ENGINES", "check_engine_name", "serve_external"]
 

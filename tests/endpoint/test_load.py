@@ -79,7 +79,7 @@ def test_two_endpoints_side_by_side_add_up_against_their_metrics(
 
 
 def test_sweep_times_every_request_and_keeps_endpoints_on_the_same_prompts(tiny_llama: Path) -> None:
-    from onboard.bench_serve import load_prompts
+    from onboard.bench.serve import load_prompts
     from onboard.models import inspect_checkpoint, load_tokenizer
 
     prompts = load_prompts(load_tokenizer(inspect_checkpoint(tiny_llama)), None, 12)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from onboard.bench_kv import (
+from onboard.bench.kv import (
     FULL_SIZE_MODELS,
     full_size_config,
     kv_layout_for,

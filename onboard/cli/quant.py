@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from onboard.cli_options import (
+from onboard.cli.options import (
     CalibOpt,
     DataOpt,
     MaxMemoryOpt,
@@ -73,9 +73,10 @@ def bench_quant(
     fixed rules (attention FP8, down_proj FP8, end layers BF16) and the additive and searched
     selections at each budget: held-out mean KLD, same-top-token rate, effective bits and seconds of
     each, measured in one run."""
-    from onboard.cli_options import existing_data, recipe_with_overrides
+    from onboard.data import existing_data
     from onboard.models import resolve_model
     from onboard.quantize.bench import METHODS, run_bench_quant
+    from onboard.recipes import recipe_with_overrides
 
     chosen = _budgets(budgets)
     measured = _methods(methods) if methods else METHODS

@@ -42,7 +42,7 @@ def bench_run(tiny_llama: Path) -> dict:
     """`run_bench` with few new tokens and a short shared prefix, recording every engine it builds
     and the batch sizes each engine was given."""
     import onboard.engine
-    from onboard import bench
+    from onboard.bench import engine as bench
 
     built: list[tuple[EngineConfig, list[int]]] = []
 
@@ -65,7 +65,7 @@ def bench_run(tiny_llama: Path) -> dict:
 
 
 def test_bench_measures_every_side_at_every_concurrency(bench_run: dict) -> None:
-    from onboard.bench import CONCURRENCY
+    from onboard.bench.engine import CONCURRENCY
 
     result = bench_run["result"]
     assert CONCURRENCY == (1, 16, 64) and result["concurrency"] == [1, 16, 64]
@@ -104,7 +104,7 @@ def test_bench_builds_both_numerics_with_room_for_64_sequences(bench_run: dict) 
 
 
 def test_bench_table_shows_every_side_and_the_skip_reason(bench_run: dict) -> None:
-    from onboard.bench import bench_table
+    from onboard.bench.engine import bench_table
 
     console = Console(record=True, width=220)
     console.print(bench_table(bench_run["result"]))
@@ -127,7 +127,7 @@ def test_bench_table_shows_every_side_and_the_skip_reason(bench_run: dict) -> No
 
 
 def test_a_run_directorys_figures_go_where_its_report_reads_them(tmp_path: Path) -> None:
-    from onboard.cli_engine import bench_out
+    from onboard.cli.engine import bench_out
     from onboard.workspace import BENCH, MANIFEST
 
     run, checkpoint = tmp_path / "run", tmp_path / "checkpoint"

@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from onboard.bench_peers import (
+from onboard.bench.peers import (
     close_llama_cpp,
     engine_tps,
     hf_tps,

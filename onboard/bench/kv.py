@@ -1,7 +1,7 @@
 """`onboard bench-kv`: what every supported family caches per token, and what DSA buys a decode step.
 
 Part one (here): the engine's KV layout of full-size configs (no weights), in bytes per token, beside
-what MLA models would cache as expanded per-head K/V.  Part two (`bench_kv_decode.py`): a decode
+what MLA models would cache as expanded per-head K/V.  Part two (`kv_decode.py`): a decode
 step's time against the context on a small random DSA model, against the same model as dense MLA.
 """
 
@@ -170,7 +170,7 @@ def run_bench_kv(
 ) -> dict[str, Any]:
     """Both tables, printed; the figures returned (and written to `out`)."""
     from onboard import atomic
-    from onboard.bench_kv_decode import decode_tables, run_decode_bench
+    from onboard.bench.kv_decode import decode_tables, run_decode_bench
     from onboard.console import console
 
     rows = kv_rows()

@@ -11,8 +11,8 @@ import gguf_fixture
 import pytest
 from rich.console import Console
 
-from onboard import bench
-from onboard.bench_peers import LLAMA_CPP_MISSING, peer_gguf
+from onboard.bench import engine as bench
+from onboard.bench.peers import LLAMA_CPP_MISSING, peer_gguf
 from onboard.models import demo
 
 PROMPTS = [[1, 40, 41, 42, 43, 44, 2, 1, 45], [1, 50, 51, 52, 2, 1, 53], [1, 60, 61, 2, 1], [1, 70, 71, 72, 2, 1]]
@@ -144,7 +144,7 @@ def test_a_given_gguf_is_used_and_nothing_is_guessed(monkeypatch: pytest.MonkeyP
 
 def test_llama_cpp_measures_the_tiny_gguf(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     pytest.importorskip("llama_cpp")
-    from onboard.bench_peers import close_llama_cpp, llama_cpp_generate, open_llama_cpp
+    from onboard.bench.peers import close_llama_cpp, llama_cpp_generate, open_llama_cpp
 
     gguf = gguf_fixture.build_tiny_gguf(tmp_path / "tiny.gguf")
     llm, reason = open_llama_cpp(gguf)
@@ -164,7 +164,7 @@ def test_llama_cpp_measures_the_tiny_gguf(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 def test_a_file_llama_cpp_cannot_read_gives_a_reason(tmp_path: Path) -> None:
     pytest.importorskip("llama_cpp")
-    from onboard.bench_peers import open_llama_cpp
+    from onboard.bench.peers import open_llama_cpp
 
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"not a gguf file at all")

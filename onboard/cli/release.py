@@ -1,11 +1,11 @@
-"""The release commands: `smoke`, `report` and `gate` (registered on the app by `cli.py`)."""
+"""The release commands: `smoke`, `report` and `gate` (registered on the app by `cli/__init__.py`)."""
 
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from onboard.cli_options import (
+from onboard.cli.options import (
     ApiKeyOpt,
     DataOpt,
     DeviceOpt,
@@ -16,8 +16,8 @@ from onboard.cli_options import (
     check_device,
     check_numerics,
     endpoint_spec,
-    existing_data,
 )
+from onboard.data import existing_data
 from onboard.errors import OnboardError
 
 RunDirArg = Annotated[Path, typer.Argument(help="a run directory")]

@@ -1,11 +1,9 @@
-"""Options and checks the `onboard` commands share."""
+"""Options and checks the `onboard` commands share: how the command line reads a flag, nothing more."""
 
 from pathlib import Path
 from typing import Annotated
 
 import typer
-
-from onboard.workspace import ARTIFACT, is_run
 
 SchemeOpt = Annotated[
     str | None, typer.Option(help="nvfp4 | nvfp4a16 | fp8 | auto (per-group formats under --bits-budget)")
@@ -60,34 +58,6 @@ def memory_budget(max_memory: str | None) -> int:
     from onboard.budget import resolve_budget
 
     return resolve_budget(max_memory)
-
-
-def existing_data(path: Path | None) -> Path | None:
-    """Read DATA once up front, so an empty or unreadable file fails before any stage starts."""
-    if path is not None:
-        from onboard.data import load_records
-
-        load_records(path)
-    return path
-
-
-def recipe_with_overrides(checkpoint, recipe_path: Path | None, overrides: dict[str, tuple[str, object]]):
-    """The recipe (explicit or matched by architecture) with overrides, {"--flag": ("dotted.key", value)},
-    applied (None values are skipped)."""
-    from onboard.console import console
-    from onboard.recipes import load_recipe, recipe_for, with_overrides
-
-    if recipe_path:
-        recipe = load_recipe(recipe_path)
-    else:
-        recipe, recipe_path = recipe_for(checkpoint.architectures)
-    console.print(f"recipe: {recipe_path or 'built-in defaults'} ({recipe.name})")
-    return with_overrides(recipe, overrides)
-
-
-def model_dir_of(path: Path) -> Path:
-    """A run directory's artifact, or the checkpoint directory itself."""
-    return path / ARTIFACT if is_run(path) else path
 
 
 def torch_dtype(name: str):

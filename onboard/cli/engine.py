@@ -1,11 +1,11 @@
-"""The engine-facing commands: `adapt`, `bench`, `bench-kv` and `serve` (registered on the app by `cli.py`)."""
+"""The engine-facing commands: `adapt`, `bench`, `bench-kv` and `serve` (registered on the app by `cli/__init__.py`)."""
 
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from onboard.cli_options import (
+from onboard.cli.options import (
     DeviceOpt,
     DtypeOpt,
     MaxMemoryOpt,
@@ -13,13 +13,13 @@ from onboard.cli_options import (
     PickleOpt,
     check_device,
     check_numerics,
-    existing_data,
     memory_budget,
-    model_dir_of,
     torch_dtype,
 )
+from onboard.data import existing_data
 from onboard.deploy.artifact import MTP, is_mtp, speculator_of
 from onboard.errors import OnboardError
+from onboard.workspace import model_dir_of
 
 
 def adapt(
@@ -111,8 +111,8 @@ def bench(
 
     model_dir = model_dir_of(path)
     if endpoint:
-        from onboard.bench_kv import parse_positive_ints
-        from onboard.bench_serve import CONCURRENCY, MAX_TOKENS, endpoint_specs, print_table, run_serve_bench
+        from onboard.bench.kv import parse_positive_ints
+        from onboard.bench.serve import CONCURRENCY, MAX_TOKENS, endpoint_specs, print_table, run_serve_bench
 
         if speculator or compare:
             raise OnboardError("--speculator and --compare measure in the engine; --endpoint measures servers")
@@ -155,7 +155,7 @@ def bench(
             model_dir, draft_dir, compare or [], existing_data(data), num_prompts, max_tokens or 96, device
         )
     else:
-        from onboard.bench import bench_table, run_bench
+        from onboard.bench.engine import bench_table, run_bench
 
         result = run_bench(checkpoint, existing_data(data), device, gguf=gguf)
         console.print(bench_table(result))
@@ -179,7 +179,7 @@ def bench_kv(
 ) -> None:
     """KV-cache bytes per token of every supported family (full-size configs), and a decode step's time
     against the context on a small random DSA model, beside the same model as dense MLA."""
-    from onboard.bench_kv import parse_numerics, parse_positive_ints, run_bench_kv
+    from onboard.bench.kv import parse_numerics, parse_positive_ints, run_bench_kv
 
     chosen = parse_positive_ints("--contexts", contexts), parse_positive_ints("--batches", batches)
     run_bench_kv(*chosen, parse_numerics(numerics), repeats, index_topk, check_device(device), out)

@@ -1,15 +1,12 @@
-"""The `onboard` command line: one thin command per stage, nothing else."""
+"""The pipeline's commands: one per stage that works in the run directory, `run` and `demo`."""
 
 import contextlib
-import os
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from onboard.cli_engine import adapt, bench, bench_kv, serve
-from onboard.cli_options import (
+from onboard.cli.options import (
     ApiKeyOpt,
     BaseOpt,
     BudgetOpt,
@@ -35,24 +32,13 @@ from onboard.cli_options import (
     check_device,
     check_numerics,
     endpoint_spec,
-    existing_data,
     memory_budget,
 )
-from onboard.cli_quant import bench_quant
-from onboard.cli_release import gate, report, smoke
+from onboard.data import existing_data
 from onboard.errors import OnboardError
 from onboard.pipeline import DEMO_RECIPE, STAGES, profile_overrides, run_pipeline, stage_context
 
-app = typer.Typer(
-    help="Onboard a new open-weights model: quantize, evaluate, speculate, adapt, smoke-test, report, gate.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-)
 
-
-@app.command()
 def quantize(
     model: Annotated[Path, typer.Argument(help="a Hugging Face checkpoint directory or a .gguf file")],
     out: Annotated[Path, typer.Option(help="the run directory")],
@@ -107,7 +93,6 @@ def quantize(
         distributed.finish()
 
 
-@app.command("eval")
 def evaluate(
     run_dir: Annotated[Path, typer.Argument(help="a run directory with a finished quantize stage")],
     data: DataOpt = None,
@@ -150,7 +135,6 @@ def evaluate(
             run_endpoint_eval(run, recipe.eval, data, spec, top_logprobs, out)
 
 
-@app.command()
 def speculator(
     run_dir: Annotated[Path, typer.Argument(help="a run directory with a finished quantize stage")],
     data: Annotated[Path | None, typer.Option(help="training prompts (default: the project's own)")] = None,
@@ -229,7 +213,6 @@ def speculator(
             run_endpoint_speculator(run, recipe.speculator, data, spec)
 
 
-@app.command()
 def run(
     model: Annotated[Path, typer.Argument(help="a Hugging Face checkpoint directory or a .gguf file")],
     out: Annotated[Path, typer.Option(help="the run directory")],
@@ -286,13 +269,6 @@ def run(
     raise typer.Exit(code)
 
 
-for command in (adapt, bench, serve, smoke, report, gate):
-    app.command()(command)
-app.command("bench-quant")(bench_quant)
-app.command("bench-kv")(bench_kv)
-
-
-@app.command()
 def demo(
     out: Annotated[Path, typer.Option(help="the run directory")] = Path("runs/demo"),
     profile: Annotated[str, typer.Option(help="quick (about 14 minutes here) | full (about 40)")] = "quick",
@@ -315,38 +291,3 @@ def demo(
     ctx = stage_context(checkpoint, recipe, overrides, device=check_device(device), numerics=numerics)
     code = run_pipeline(ctx, out, list(STAGES), junit)
     raise typer.Exit(code)
-
-
-def _quiet_libraries() -> None:
-    """Library chatter (warnings about CPU, offloading, long sequences) drowns our output."""
-    import logging
-    import warnings
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "ERROR")
-    warnings.filterwarnings("ignore", category=UserWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-
-
-def main() -> None:
-    _quiet_libraries()
-    try:
-        code = app(standalone_mode=False)
-    except OnboardError as err:
-        print(f"onboard: error: {err}", file=sys.stderr)
-        sys.exit(2)
-    except (typer.Abort, KeyboardInterrupt):
-        print("onboard: interrupted", file=sys.stderr)
-        sys.exit(130)
-    except typer.Exit as done:
-        sys.exit(done.exit_code)
-    except typer.TyperException as err:  # usage errors: unknown option, missing argument
-        message = err.format_message() if hasattr(err, "format_message") else str(err)
-        print(f"onboard: error: {message} (see onboard --help)", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(code if isinstance(code, int) else 0)
