@@ -82,7 +82,6 @@ def stage_context(
     recipe's (or the command line's) deployment."""
     from onboard.data import existing_data
     from onboard.models import resolve_model
-    from onboard.recipes import recipe_with_overrides
 
     checkpoint = resolve_model(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     resolved = recipe_with_overrides(checkpoint, recipe, overrides)
@@ -98,6 +97,20 @@ def stage_context(
         calib=existing_data(calib),
         data=existing_data(data),
     )
+
+
+def recipe_with_overrides(checkpoint, recipe_path: Path | None, overrides: dict[str, tuple[str, object]]):
+    """The recipe (explicit or matched by architecture) with overrides, {"--flag": ("dotted.key", value)},
+    applied (None values are skipped)."""
+    from onboard.console import console
+    from onboard.recipes import load_recipe, recipe_for, with_overrides
+
+    if recipe_path:
+        recipe = load_recipe(recipe_path)
+    else:
+        recipe, recipe_path = recipe_for(checkpoint.architectures)
+    console.print(f"recipe: {recipe_path or 'built-in defaults'} ({recipe.name})")
+    return with_overrides(recipe, overrides)
 
 
 def run_pipeline(ctx: StageContext, out: Path, stages: list[str], junit: Path | None = None) -> int:

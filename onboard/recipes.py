@@ -391,16 +391,3 @@ def recipe_for(architectures: list[str]) -> tuple[Recipe, Path | None]:
         if set(recipe.architectures) & set(architectures):
             return recipe, path
     return Recipe(), None
-
-
-def recipe_with_overrides(checkpoint, recipe_path: Path | None, overrides: dict[str, tuple[str, object]]):
-    """The recipe (explicit or matched by architecture) with overrides, {"--flag": ("dotted.key", value)},
-    applied (None values are skipped)."""
-    from onboard.console import console
-
-    if recipe_path:
-        recipe = load_recipe(recipe_path)
-    else:
-        recipe, recipe_path = recipe_for(checkpoint.architectures)
-    console.print(f"recipe: {recipe_path or 'built-in defaults'} ({recipe.name})")
-    return with_overrides(recipe, overrides)

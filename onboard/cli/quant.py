@@ -75,8 +75,8 @@ def bench_quant(
     each, measured in one run."""
     from onboard.data import existing_data
     from onboard.models import resolve_model
+    from onboard.pipeline import recipe_with_overrides
     from onboard.quantize.bench import METHODS, run_bench_quant
-    from onboard.recipes import recipe_with_overrides
 
     chosen = _budgets(budgets)
     measured = _methods(methods) if methods else METHODS

@@ -36,7 +36,8 @@ Where the engine's parts live:
 * `layers/`     model pieces: norms, MLPs, attention types (`mha.py`, `mla.py`, `dsa.py`), MoE blocks;
 * `models/`     one file per family and the registry (`models/__init__.py`).
 
-Names load on first use, so importing one engine module does not import them all.
+Names load on first use, so importing one engine module does not import them all. `examples/engine.py`
+shows the API in 30 lines (`tests/test_examples.py` runs it).
 """
 
 from importlib import import_module

@@ -98,12 +98,14 @@ def measure_kl(reference, quantized, windows: list[tuple[str, list[int]]]) -> di
     return stats
 
 
-def eval_plan(shape: ModelShape, reference: ModelShape, settings: Eval, budget: int) -> StagePlan:
+def eval_plan(
+    shape: ModelShape, reference: ModelShape, settings: Eval, budget: int, options: str = "--endpoint URL"
+) -> StagePlan:
     """The artifact's `shape` against the `reference`: in memory (both models resident) or streamed
     (two passes, one layer at a time); the per-layer KL's streams hold 2 x layers x per_layer_tokens
     hidden states."""
     tokens = settings.max_tokens + shape.num_layers * settings.per_layer_tokens
-    return plan_stage("eval", shape, budget, tokens, reference=reference, options="--endpoint URL")
+    return plan_stage("eval", shape, budget, tokens, reference=reference, options=options)
 
 
 def run_eval(
@@ -161,8 +163,9 @@ def run_eval(
 
 
 def plan(ctx: StageContext) -> StagePlan:
-    """Before quantize, the unquantized checkpoint stands for both sides (the artifact is smaller)."""
-    return eval_plan(ctx.shape, ctx.shape, ctx.recipe.eval, ctx.budget)
+    """Before quantize, the unquantized checkpoint stands for both sides (the artifact is smaller).
+    `onboard run` evaluates in-process only: its refusal names no --endpoint."""
+    return eval_plan(ctx.shape, ctx.shape, ctx.recipe.eval, ctx.budget, options="")
 
 
 def run(run_dir: RunDir, ctx: StageContext) -> StageResult:

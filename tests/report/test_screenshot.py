@@ -71,6 +71,20 @@ def test_a_value_wider_than_its_card_is_caught(tmp_path: Path) -> None:
     assert len(wide) == 2 and wide[1].startswith("Wide: ") and wide[0].startswith("the page: ")
 
 
+def test_the_ci_check_fails_on_a_wide_card_and_passes_a_fitting_page(tmp_path: Path, capsys) -> None:
+    """scripts/report_fits.py, run by .ci/run on the quick demo's report.html."""
+    import runpy
+
+    main = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "report_fits.py"))["main"]
+    wide, narrow = tmp_path / "wide.html", tmp_path / "narrow.html"
+    card = '<html><body><section class="card" style="width:300px"><h2>{}</h2><span>{}</span></section></body></html>'
+    wide.write_text(card.format("Wide", f'<span style="white-space:nowrap">{"x" * 400}</span>'))
+    narrow.write_text(card.format("Narrow", "x " * 200))
+    assert main([str(wide)]) == 1
+    assert "at 1300 px: Wide: " in capsys.readouterr().err
+    assert main([str(narrow)]) == 0
+
+
 def test_console_errors_are_caught(tmp_path: Path) -> None:
     page = tmp_path / "bad.html"
     page.write_text('<!doctype html><p>hi</p><script>console.error("deliberate-x"); nope();</script>')
