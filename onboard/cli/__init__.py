@@ -1,4 +1,4 @@
-"""The `onboard` command line: one thin command per stage, nothing else.
+"""The `onboard` command line: thin commands over the stages, the engine, the benches and the verdict.
 
 Each group of commands is a module (`stages`, `engine`, `quant`, `release`) of plain functions;
 this table registers them, in the order `onboard --help` lists them. Options the commands share,
