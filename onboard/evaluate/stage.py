@@ -23,7 +23,7 @@ from onboard.models import inspect_checkpoint, load_model, load_tokenizer
 from onboard.paths import CALIBRATION_DIR
 from onboard.recipes import Eval
 from onboard.stage import StageContext, StageResult
-from onboard.workspace import KL, SELECTION, RunDir, Stage, folder
+from onboard.workspace import ARTIFACT, KL, SELECTION, RunDir, Stage, folder
 
 CHUNK = 128  # positions per float32 logit block: 128 x vocab floats at a time
 
@@ -148,7 +148,7 @@ def run_eval(
 
     inputs = {
         "quantize": quantize["key"],
-        "artifact": quantize["outputs"]["artifact"],
+        "artifact": quantize["outputs"][ARTIFACT],
         "eval": settings.model_dump(),
         "data": fingerprint(data) if data else f"builtin:{fingerprint(CALIBRATION_DIR)}",
     }
