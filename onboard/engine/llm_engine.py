@@ -33,12 +33,12 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.path = Path(path)
         self.tokenizer = load_tokenizer(inspect_checkpoint(self.path))
-        self.runner = ModelRunner(self.path, self.config, dtype=dtype)
-        self.block_manager = BlockManager(self.config.num_blocks, self.config.block_size)
-        self.scheduler = Scheduler(self.config, self.block_manager)
-        self.sampler = Sampler()
+        self._runner = ModelRunner(self.path, self.config, dtype=dtype)
+        self._block_manager = BlockManager(self.config.num_blocks, self.config.block_size)
+        self._scheduler = Scheduler(self.config, self._block_manager)
+        self._sampler = Sampler()
         self.eos_ids = self._eos_ids()
-        self.grammars = GrammarFactory(self.tokenizer, self.runner.vocab_size, stop_token_ids=sorted(self.eos_ids))
+        self.grammars = GrammarFactory(self.tokenizer, self._runner.vocab_size, stop_token_ids=sorted(self.eos_ids))
         self.requests: dict[int, EngineRequest] = {}
         self.speculator: Speculator | None = None
 
@@ -48,12 +48,12 @@ class LLMEngine:
         if self.has_unfinished():
             raise RuntimeError("the speculator can only change while no request runs")
         if draft is not None:
-            text = self.runner.hf_config.get_text_config()
+            text = self._runner.hf_config.get_text_config()
             vocab, hidden = draft.t2d.shape[0], draft.layer_config.hidden_size
-            if (vocab, hidden) != (self.runner.vocab_size, text.hidden_size):
+            if (vocab, hidden) != (self._runner.vocab_size, text.hidden_size):
                 raise ValueError(
                     f"the speculator was trained for a model with vocabulary {vocab} and hidden size {hidden}; "
-                    f"this one has {self.runner.vocab_size} and {text.hidden_size}"
+                    f"this one has {self._runner.vocab_size} and {text.hidden_size}"
                 )
             if max(draft.aux_layer_ids) > text.num_hidden_layers:  # N: the final-normed state
                 raise ValueError(
@@ -66,26 +66,26 @@ class LLMEngine:
     @property
     def hf_config(self):
         """The served checkpoint's transformers config."""
-        return self.runner.hf_config
+        return self._runner.hf_config
 
     @property
     def dtype(self) -> torch.dtype:
         """What the served model computes in."""
-        return self.runner.model.dtype
+        return self._runner.model.dtype
 
     @property
     def vocab_size(self) -> int:
-        return self.runner.vocab_size
+        return self._runner.vocab_size
 
     @property
     def kv_layout(self):
         """What the model caches per token (`onboard.engine.kv_cache.KVLayout`)."""
-        return self.runner.kv_layout
+        return self._runner.kv_layout
 
     def target_tensors(self) -> dict[str, torch.Tensor]:
         """float32 copies of the embedding, the output projection and the final norm (an EAGLE-3
         draft starts from them)."""
-        model = self.runner.model
+        model = self._runner.model
         return {
             "embed_tokens": model.embed_tokens.float(),
             "lm_head": model.lm_head.weight.float(),
@@ -98,7 +98,7 @@ class LLMEngine:
         gives one row per token (a tied one is read whole, as the output projection)."""
         from onboard.engine.linear import EngineLinear
 
-        model = self.runner.model
+        model = self._runner.model
         packed = sum(
             m.out_features * m.in_features * model.dtype.itemsize
             for m in model.modules()
@@ -113,11 +113,11 @@ class LLMEngine:
     def kernel_report(self) -> list[dict[str, Any]]:
         """Fast numerics' linear kernels, as chosen per weight shape on this machine (`kernels.py`);
         empty in exact numerics."""
-        return self.runner.kernel_report
+        return self._runner.kernel_report
 
     def stats(self) -> dict[str, Any]:
         """Scheduler and cache counters, as `/metrics` publishes them."""
-        bm, scheduler = self.block_manager, self.scheduler
+        bm, scheduler = self._block_manager, self._scheduler
         return {
             "num_running": scheduler.num_running,
             "num_waiting": scheduler.num_waiting,
@@ -133,7 +133,7 @@ class LLMEngine:
 
     def _eos_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
-        generation_eos = getattr(self.runner.hf_config, "eos_token_id", None)
+        generation_eos = getattr(self._runner.hf_config, "eos_token_id", None)
         try:
             from transformers import GenerationConfig
 
@@ -152,10 +152,10 @@ class LLMEngine:
         self, prompt_token_ids: list[int], params: SamplingParams, grammar: GrammarSpec | None = None
     ) -> int:
         """Queue a request; raises ValueError on bad sampling values, grammars or lengths."""
-        params.validate(self.config.max_logprobs, self.runner.vocab_size)
+        params.validate(self.config.max_logprobs, self._runner.vocab_size)
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
-        vocab = min(len(self.tokenizer), self.runner.vocab_size)
+        vocab = min(len(self.tokenizer), self._runner.vocab_size)
         if not all(0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if len(prompt_token_ids) + params.max_tokens > self.config.max_model_len:
@@ -170,32 +170,32 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # nothing scores the first prompt token
         self.requests[seq.seq_id] = request
-        self.scheduler.add(seq)
+        self._scheduler.add(seq)
         return seq.seq_id
 
     def abort(self, request_id: int) -> None:
         if self.requests.pop(request_id, None) is not None:
-            self.scheduler.abort(request_id)
+            self._scheduler.abort(request_id)
             if self.speculator is not None:
                 self.speculator.drop(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self._scheduler.has_unfinished()
 
     # -- one step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        scheduled = self.scheduler.schedule()
+        scheduled = self._scheduler.schedule()
         if not scheduled:
             return []
         if self.speculator is not None:
             return speculative_step(self, scheduled)
-        result = self.runner.run(scheduled)
+        result = self._runner.run(scheduled)
         self._score_prompts(scheduled, result.prompt_logits)
         logits = result.logits
         sampling = [item for item in scheduled if item.samples]
         sampled = self._sample(sampling, logits) if sampling else {}
-        self.scheduler.postprocess(scheduled, {seq_id: token for seq_id, (token, _) in sampled.items()})
+        self._scheduler.postprocess(scheduled, {seq_id: token for seq_id, (token, _) in sampled.items()})
         return [self._advance(self.requests[seq_id], token, logprob) for seq_id, (token, logprob) in sampled.items()]
 
     def _score_prompts(self, scheduled: list[ScheduledSeq], prompt_logits: dict[int, torch.Tensor]) -> None:
@@ -216,7 +216,7 @@ class LLMEngine:
         requests = [self.requests[item.seq.seq_id] for item in items]
         masks = [r.grammar.allowed_mask(logits.shape[-1]) if r.grammar else None for r in requests]
         histories = [(r.seq.token_ids[: r.seq.num_prompt_tokens], r.seq.completion_token_ids) for r in requests]
-        result = self.sampler.sample(
+        result = self._sampler.sample(
             logits, [r.params for r in requests], histories, [r.generator for r in requests], masks
         )
         return {r.seq.seq_id: (result.token_ids[i], result.logprob_entry(i)) for i, r in enumerate(requests)}
@@ -243,7 +243,7 @@ class LLMEngine:
         request.emitted = max(request.emitted, ready)
         prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None  # with the first output
         if reason is not None:
-            self.scheduler.finish(seq, reason)
+            self._scheduler.finish(seq, reason)
             self.requests.pop(seq.seq_id, None)
             if self.speculator is not None:
                 self.speculator.drop(seq.seq_id)
@@ -287,7 +287,7 @@ class LLMEngine:
     def score(self, token_ids: list[int], trace: dict | None = None) -> torch.Tensor:
         """float32 logits [T, vocab] at every position of one sequence (teacher forcing); `trace`
         (a dict) receives what layers record for parity checks (DSA: the selected keys)."""
-        return self.runner.model.compute_logits(self.hidden_states(token_ids, trace=trace)[0])
+        return self._runner.model.compute_logits(self.hidden_states(token_ids, trace=trace)[0])
 
     @torch.inference_mode()
     def hidden_states(
@@ -308,14 +308,14 @@ class LLMEngine:
         allocated = []
         try:
             for seq in seqs:
-                if not self.block_manager.can_allocate(seq, reuse_prefix=False):
+                if not self._block_manager.can_allocate(seq, reuse_prefix=False):
                     raise ValueError("not enough free KV-cache blocks for these sequences")
-                self.block_manager.allocate(seq, reuse_prefix=False)
+                self._block_manager.allocate(seq, reuse_prefix=False)
                 allocated.append(seq)
-            final, aux = self.runner.forward_hidden([ScheduledSeq(s, len(s)) for s in seqs], tuple(aux_layers), trace)
+            final, aux = self._runner.forward_hidden([ScheduledSeq(s, len(s)) for s in seqs], tuple(aux_layers), trace)
         finally:
             for seq in allocated:
-                self.block_manager.deallocate(seq)
+                self._block_manager.deallocate(seq)
                 seq.status = SequenceStatus.FINISHED
         lengths = [len(s) for s in seqs]
         per_layer = [states.split(lengths) for states in aux]
@@ -324,4 +324,4 @@ class LLMEngine:
     def decoder_layer(self, index: int) -> torch.nn.Module:
         """The served model's decoder layer `index` (negative: from the end), its weights as served
         (fused where fast numerics fuse them, dequantized); for reading, not for running alone."""
-        return self.runner.model.layers[index]
+        return self._runner.model.layers[index]

@@ -26,11 +26,11 @@ def speculative_step(engine, scheduled: list[ScheduledSeq]) -> list[RequestOutpu
         if room <= 0:
             continue
         proposal = spec.propose(seq, room, request.params, request.generator, request.grammar)
-        if engine.scheduler.reserve_lookahead(item, proposal.tokens):
+        if engine._scheduler.reserve_lookahead(item, proposal.tokens):
             proposals[seq.seq_id] = proposal
 
     starts = [item.seq.num_computed_tokens for item in scheduled]
-    result = engine.runner.run(scheduled, aux_layers=spec.aux_layers)
+    result = engine._runner.run(scheduled, aux_layers=spec.aux_layers)
     engine._score_prompts(scheduled, result.prompt_logits)
     logits, aux = result.logits, result.aux
     # Logits rows, in order: every new token of a verifying sequence, the last of a plain one.
@@ -48,7 +48,7 @@ def speculative_step(engine, scheduled: list[ScheduledSeq]) -> list[RequestOutpu
     for item in scheduled:
         offsets.append(offsets[-1] + item.num_new_tokens)
     sampled = engine._sample(plain, logits[torch.tensor(plain_rows, dtype=torch.long)]) if plain else {}
-    engine.scheduler.postprocess(
+    engine._scheduler.postprocess(
         [item for item in scheduled if item.seq.seq_id not in proposals],
         {seq_id: token for seq_id, (token, _) in sampled.items()},
     )
@@ -79,7 +79,7 @@ def _commit(engine, item: ScheduledSeq, raw: torch.Tensor, proposal) -> RequestO
     n = len(verdict.tokens)
     entries = [None] * n
     if request.params.logprobs is not None:
-        chosen = engine.sampler.logprobs(raw[:n], [request.params] * n, verdict.tokens)
+        chosen = engine._sampler.logprobs(raw[:n], [request.params] * n, verdict.tokens)
         entries = [chosen.logprob_entry(i) for i in range(n)]
     merged = None
     for token, entry in zip(verdict.tokens, entries, strict=True):
@@ -96,5 +96,5 @@ def _commit(engine, item: ScheduledSeq, raw: torch.Tensor, proposal) -> RequestO
         if out.finished:
             break
     if not seq.is_finished:
-        engine.scheduler.release_rejected(seq)
+        engine._scheduler.release_rejected(seq)
     return merged

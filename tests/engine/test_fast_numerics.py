@@ -42,28 +42,28 @@ def top_ids(completion) -> list[list[int]]:
 
 
 def test_fast_numerics_selects_the_fast_backend(tiny_llama: Path) -> None:
-    assert make_engine(tiny_llama, torch.float32, "fast").runner.backend.name == "fast"
-    assert make_engine(tiny_llama, torch.float32, "exact").runner.backend.name == "cpu"
+    assert make_engine(tiny_llama, torch.float32, "fast")._runner.backend.name == "fast"
+    assert make_engine(tiny_llama, torch.float32, "exact")._runner.backend.name == "cpu"
     explicit = make_engine(tiny_llama, torch.float32, "fast", attention_backend="sdpa")
-    assert explicit.runner.backend.name == "sdpa"  # an explicit backend wins
+    assert explicit._runner.backend.name == "sdpa"  # an explicit backend wins
 
 
 def test_fast_numerics_binds_measured_kernels_and_exact_none(tiny_llama: Path) -> None:
     from onboard.engine.linear import EngineLinear
 
     def linears(engine: LLMEngine) -> list[EngineLinear]:
-        return [m for m in engine.runner.model.modules() if isinstance(m, EngineLinear)]
+        return [m for m in engine._runner.model.modules() if isinstance(m, EngineLinear)]
 
     variant = make_engine(tiny_llama, torch.bfloat16, "fast", batch_invariant=False)
-    assert variant.runner.backend.name == "fast_batched"
+    assert variant._runner.backend.name == "fast_batched"
     assert all(m.kernels is not None for m in linears(variant))
-    assert {r["shape"] for r in variant.runner.kernel_report} == {
+    assert {r["shape"] for r in variant._runner.kernel_report} == {
         f"cpu:bfloat16:{m.out_features}x{m.in_features}:nobias" for m in linears(variant)
     }
     exact = make_engine(tiny_llama, torch.bfloat16, "exact")
-    assert all(m.kernels is None for m in linears(exact)) and exact.runner.kernel_report == []
+    assert all(m.kernels is None for m in linears(exact)) and exact._runner.kernel_report == []
     # exact runs q, k and v (gate and up) as transformers does: three products, not one fused
-    names = {name.rsplit(".", 1)[-1] for name, m in exact.runner.model.named_modules() if isinstance(m, EngineLinear)}
+    names = {name.rsplit(".", 1)[-1] for name, m in exact._runner.model.named_modules() if isinstance(m, EngineLinear)}
     assert "qkv_proj" not in names and "gate_up_proj" not in names
     with pytest.raises(ValueError, match="exact numerics is always batch invariant"):
         EngineConfig(numerics="exact", batch_invariant=False)
@@ -157,7 +157,7 @@ def test_speculative_decoding_in_fast_numerics_gives_plain_fast_tokens(tiny_llam
     target = engine.target_tensors()
     draft.init_from_target(target["embed_tokens"], target["lm_head"], target["norm"])
     engine.set_speculator(draft.eval(), 3)
-    assert engine.runner.backend.rowwise_verification  # proposals attend as decode rows
+    assert engine._runner.backend.rowwise_verification  # proposals attend as decode rows
     for batch in ([work[0]], work):
         spec = [c.token_ids for c in engine.generate(batch, greedy(30))]
         assert spec == [plain[work.index(p)] for p in batch]

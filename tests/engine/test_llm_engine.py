@@ -67,9 +67,9 @@ def assert_drained(engine: LLMEngine) -> None:
     """Nothing left in flight and every KV block back in the free lists."""
     assert not engine.has_unfinished()
     assert engine.requests == {}
-    assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0
-    assert engine.block_manager.num_free_blocks == engine.config.num_blocks
-    engine.block_manager.check_invariants([])
+    assert engine._scheduler.num_running == engine._scheduler.num_waiting == 0
+    assert engine._block_manager.num_free_blocks == engine.config.num_blocks
+    engine._block_manager.check_invariants([])
 
 
 def text_prompts(path: Path) -> list[list[int]]:
@@ -238,7 +238,7 @@ def test_prefix_cache_reuses_a_finished_requests_blocks(tiny_llama: Path, corpus
         """Generate alone; returns the completion and the prompt tokens found in the cache at admission."""
         request_id = warm.add_request(prompt, greedy(12))
         outs = warm.step()  # admission: blocks allocated, cached prefix found
-        seq = next(s for s in warm.scheduler.running if s.seq_id == request_id)
+        seq = next(s for s in warm._scheduler.running if s.seq_id == request_id)
         cached = seq.num_cached_tokens
         assert seq.num_computed_tokens == len(prompt)  # the cached part was not recomputed
         while warm.has_unfinished():
@@ -255,13 +255,13 @@ def test_prefix_cache_reuses_a_finished_requests_blocks(tiny_llama: Path, corpus
     c, cached_c = run_one(third)
     assert cached_c == 8 * block
 
-    assert warm.block_manager.hit_rate == pytest.approx((0 + 16 + 32) / (len(first) + len(second) + len(third)))
-    assert warm.block_manager.hit_rate > 0
+    assert warm._block_manager.hit_rate == pytest.approx((0 + 16 + 32) / (len(first) + len(second) + len(third)))
+    assert warm._block_manager.hit_rate > 0
     for completion, prompt in ((a, first), (b, second), (c, third)):
         (expected,) = cold.generate([prompt], greedy(12))
         assert completion.token_ids == expected.token_ids
         assert completion.finish_reason == expected.finish_reason == "length"
-    assert cold.block_manager.hit_rate == 0.0
+    assert cold._block_manager.hit_rate == 0.0
     assert_drained(warm)
     assert_drained(cold)
 
@@ -292,7 +292,7 @@ def test_continuous_batching_with_staggered_arrivals(
     added = {0: [0, 1, 2], 2: [3, 4], 5: [5], 6: [6, 7]}
     arrivals = {step: [(prompts[i], params[i]) for i in idx] for step, idx in added.items()}
     concurrency: list[int] = []
-    outputs, order = run_steps(engine, arrivals, lambda _: concurrency.append(engine.scheduler.num_running))
+    outputs, order = run_steps(engine, arrivals, lambda _: concurrency.append(engine._scheduler.num_running))
     assert max(concurrency) >= 4
 
     batched = []
@@ -321,7 +321,7 @@ def test_abort_while_waiting_prefilling_and_decoding(tiny_llama: Path, corpus_id
     prompts[4] = prompts[0][:16] + corpus_ids[900:905]  # shares 4 blocks with the one aborted mid-prefill
     params = greedy(10, logprobs=TOP)
     ids = [engine.add_request(p, params) for p in prompts]
-    seqs: dict[int, Sequence] = {s.seq_id: s for s in engine.scheduler.waiting}
+    seqs: dict[int, Sequence] = {s.seq_id: s for s in engine._scheduler.waiting}
     assert set(seqs) == set(ids)
     outputs: dict[int, list[RequestOutput]] = {i: [] for i in ids}
     aborted: dict[int, str] = {}
@@ -337,8 +337,8 @@ def test_abort_while_waiting_prefilling_and_decoding(tiny_llama: Path, corpus_id
         seq = seqs[request_id]
         assert seq.status is SequenceStatus.FINISHED and seq.finish_reason == "abort"
         assert seq.block_table == []
-        assert seq not in engine.scheduler.running and seq not in engine.scheduler.waiting
-        engine.block_manager.check_invariants(engine.scheduler.running)
+        assert seq not in engine._scheduler.running and seq not in engine._scheduler.waiting
+        engine._block_manager.check_invariants(engine._scheduler.running)
 
     # Waiting: never scheduled, holds no blocks.
     assert seqs[ids[5]].status is SequenceStatus.WAITING
@@ -346,14 +346,14 @@ def test_abort_while_waiting_prefilling_and_decoding(tiny_llama: Path, corpus_id
 
     # Mid-prefill: 8-token budget, so an 18-token prompt takes three steps.
     step()
-    prefilling = [s for s in engine.scheduler.running if 0 < s.num_computed_tokens < s.num_prompt_tokens]
+    prefilling = [s for s in engine._scheduler.running if 0 < s.num_computed_tokens < s.num_prompt_tokens]
     assert prefilling and prefilling[0].seq_id == ids[0] and prefilling[0].block_table
     abort(ids[0], "prefill")
 
     # Mid-decode: running with some generated tokens.
     for _ in range(100):
         step()
-        decoding = [s for s in engine.scheduler.running if len(s.completion_token_ids) >= 2]
+        decoding = [s for s in engine._scheduler.running if len(s.completion_token_ids) >= 2]
         if decoding:
             break
     assert decoding
@@ -364,7 +364,7 @@ def test_abort_while_waiting_prefilling_and_decoding(tiny_llama: Path, corpus_id
     cached_seen: dict[int, int] = {}
     while engine.has_unfinished():
         step()
-        for s in engine.scheduler.running:
+        for s in engine._scheduler.running:
             cached_seen[s.seq_id] = max(cached_seen.get(s.seq_id, 0), s.num_cached_tokens)
     # The blocks the aborted request had computed stayed in the prefix cache, and were valid KV.
     assert cached_seen.get(ids[4]) == 8  # two full blocks of the shared prefix were written before the abort
@@ -399,17 +399,17 @@ def test_preemption_by_recompute_is_lossless(
     recomputed_with_output: set[int] = set()
 
     def watch(_: int) -> None:
-        for seq in small.scheduler.waiting:
+        for seq in small._scheduler.waiting:
             if seq.completion_token_ids:  # preempted after generating: recomputes prompt + output
                 recomputed_with_output.add(seq.seq_id)
-        small.block_manager.check_invariants(small.scheduler.running)
+        small._block_manager.check_invariants(small._scheduler.running)
 
     outputs, order = run_steps(small, {0: [(p, params) for p in prompts]}, watch)
     got = [as_completion(outputs[i]) for i in order]
     want = roomy.generate(prompts, params)
-    assert small.scheduler.num_preemptions > 0
+    assert small._scheduler.num_preemptions > 0
     assert recomputed_with_output
-    assert roomy.scheduler.num_preemptions == 0
+    assert roomy._scheduler.num_preemptions == 0
     for completion in got:
         assert completion.finish_reason == "length" and len(completion.token_ids) == 24
     check_near_ties(f"preemption {dtype} cache={prefix_caching}", got, want, exact=dtype == torch.float32)

@@ -78,9 +78,9 @@ def test_absorbed_decode_equals_expanded_decode_in_fp32(arch: str, request) -> N
     absorbed = make_engine(path, torch.float32, numerics="fast")
     expanded = make_engine(path, torch.float32)
     calls = []
-    original = absorbed.runner.model.layers[0].self_attn.w_uk
+    original = absorbed._runner.model.layers[0].self_attn.w_uk
     assert original.shape == (tiny_models.NUM_ATTENTION_HEADS, tiny_models.QK_NOPE_HEAD_DIM, tiny_models.KV_LORA_RANK)
-    absorbed.runner.backend.decode = _spy(absorbed.runner.backend.decode, calls)
+    absorbed._runner.backend.decode = _spy(absorbed._runner.backend.decode, calls)
     prompt = prompts(1, lengths=(50,))[0]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=20)
     (a,) = absorbed.generate([prompt], params)
@@ -132,7 +132,7 @@ def test_dsa_index_sets_equal_transformers_at_every_position(arch: str, request)
 
 
 def _dense(engine: LLMEngine) -> LLMEngine:
-    for layer in engine.runner.model.layers:
+    for layer in engine._runner.model.layers:
         layer.self_attn.indexer, layer.self_attn.shares_selection = None, False
     return engine
 
@@ -171,8 +171,8 @@ def test_mtp_weights_are_skipped_with_a_notice(tiny_deepseek_v3: Path, tmp_path:
 
 def _assert_drained(engine: LLMEngine) -> None:
     assert not engine.has_unfinished()
-    assert engine.block_manager.num_free_blocks == engine.config.num_blocks
-    engine.block_manager.check_invariants([])
+    assert engine._block_manager.num_free_blocks == engine.config.num_blocks
+    engine._block_manager.check_invariants([])
 
 
 @pytest.mark.parametrize("arch", ["tiny_deepseek_v3", "tiny_glm_moe_dsa"])
@@ -189,13 +189,13 @@ def test_prefix_cache_chunked_prefill_and_preemption_give_the_cold_runs_tokens(a
     warm = make_engine(path, torch.float32, enable_prefix_caching=True, max_num_batched_tokens=16)
     warm.generate([work[0]], params)  # leaves the shared prefix in the cache
     got = [c.token_ids for c in warm.generate(work, params)]
-    assert warm.block_manager.hit_rate > 0
+    assert warm._block_manager.hit_rate > 0
     assert got == want
     _assert_drained(warm)
 
     small = make_engine(path, torch.float32, num_blocks=40, max_model_len=96)
     got = [c.token_ids for c in small.generate(work, params)]
-    assert small.scheduler.num_preemptions > 0
+    assert small._scheduler.num_preemptions > 0
     assert got == want
     _assert_drained(small)
 
@@ -234,5 +234,5 @@ def test_the_sdpa_backend_gives_the_cpu_backends_tokens(arch: str, numerics: str
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     cpu = make_engine(path, torch.float32, numerics=numerics)
     sdpa = make_engine(path, torch.float32, numerics=numerics, attention_backend="sdpa")
-    assert sdpa.runner.backend.name == "sdpa" and not sdpa.runner.backend.rowwise_verification
+    assert sdpa._runner.backend.name == "sdpa" and not sdpa._runner.backend.rowwise_verification
     assert [c.token_ids for c in sdpa.generate(work, params)] == [c.token_ids for c in cpu.generate(work, params)]

@@ -124,7 +124,7 @@ def test_layer_stepper_builds_a_layer_when_asked(tiny_llama: Path, model) -> Non
 
 
 # Attribute names that reach inside an engine, and modules only the engine imports.
-PRIVATE_ATTRIBUTES = {"runner", "block_manager", "scheduler"}
+PRIVATE_ATTRIBUTES = {"_runner", "_block_manager", "_scheduler", "_sampler"}
 PRIVATE_MODULES = {f"onboard.engine.{name}" for name in ("model_runner", "scheduler", "block_manager", "sequence")}
 
 
@@ -132,7 +132,7 @@ def _reaches_inside(tree: ast.AST) -> list[tuple[int, str]]:
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
-            named_runner = isinstance(node.value, ast.Name) and node.value.id == "runner"
+            named_runner = isinstance(node.value, ast.Name) and node.value.id in ("runner", "_runner")
             if node.attr in PRIVATE_ATTRIBUTES or (named_runner and node.attr in {"model", "config"}):
                 found.append((node.lineno, ast.unparse(node)))
         elif isinstance(node, ast.ImportFrom) and node.module in PRIVATE_MODULES:
@@ -189,7 +189,7 @@ def test_the_scan_catches_submodule_imports() -> None:
     assert scan("import onboard.engine.weights") != []
     assert scan("from onboard.engine import weights") != []
     assert scan("from onboard.engine.model_runner import ModelRunner") != []
-    assert scan("engine.runner.model") != []
+    assert scan("engine._runner.model") != []
 
 
 def test_no_module_outside_the_engine_reaches_inside_it() -> None:

@@ -40,8 +40,8 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
 
 def assert_drained(engine: LLMEngine) -> None:
     assert not engine.has_unfinished()
-    assert engine.block_manager.num_free_blocks == engine.config.num_blocks
-    engine.block_manager.check_invariants([])
+    assert engine._block_manager.num_free_blocks == engine.config.num_blocks
+    engine._block_manager.check_invariants([])
     assert engine.speculator is None or engine.speculator.states == {}
 
 
@@ -122,7 +122,7 @@ def test_rejected_proposals_roll_back_exactly(tiny_llama: Path, k: int) -> None:
     longer = prompt + spec.token_ids[:30]
     (reused,) = engine.generate([longer], greedy(12, logprobs=5))
     (cold,) = fresh.generate([longer], greedy(12, logprobs=5))
-    assert engine.block_manager.hit_rate > 0
+    assert engine._block_manager.hit_rate > 0
     assert reused.token_ids == cold.token_ids
     for a, b in zip(reused.logprobs, cold.logprobs, strict=True):
         assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)

@@ -123,14 +123,14 @@ def test_a_cached_prompt_is_computed_afresh(http: httpx.Client, state) -> None:
     ids = list(state.tokenizer.encode(LONG + " Twice."))
     scored = {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}
     first = _ok(http, COMPLETIONS, scored)["choices"][0]["prompt_logprobs"]
-    before = _on_engine(state, lambda engine: engine.block_manager.prefix_hits)
+    before = _on_engine(state, lambda engine: engine.stats()["prefix_cache_hits"])
     for _ in range(2):  # the second of these finds the prompt's blocks in the prefix cache
         _ok(http, COMPLETIONS, {"prompt": ids, "max_tokens": 1})
-    hits = _on_engine(state, lambda engine: engine.block_manager.prefix_hits)
+    hits = _on_engine(state, lambda engine: engine.stats()["prefix_cache_hits"])
     assert hits - before >= 2 * 16  # two full blocks of 16 tokens
     again = _ok(http, COMPLETIONS, scored)["choices"][0]["prompt_logprobs"]
     assert again == first and len(again) == len(ids)
-    assert _on_engine(state, lambda engine: engine.block_manager.prefix_hits) == hits  # no reuse for it
+    assert _on_engine(state, lambda engine: engine.stats()["prefix_cache_hits"]) == hits  # no reuse for it
 
 
 def test_chat_prompt_logprobs_are_top_level(http: httpx.Client, state) -> None:
@@ -281,8 +281,8 @@ def test_preemption_and_speculative_decoding_keep_every_position(tiny_llama: Pat
     chunked = engine(num_blocks=64, max_num_batched_tokens=24)
     want = run(chunked)
     tight = engine(num_blocks=8, max_num_batched_tokens=24)  # too few for all four: preemption
-    assert run(tight) == want and tight.scheduler.num_preemptions > 0
-    tight.block_manager.check_invariants([])
+    assert run(tight) == want and tight.stats()["num_preemptions"] > 0
+    tight._block_manager.check_invariants([])
 
     spec = engine(num_blocks=64, max_num_batched_tokens=24)
     torch.manual_seed(0)

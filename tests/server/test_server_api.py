@@ -52,8 +52,8 @@ def engine_idle(server_state, timeout: float = 10.0) -> tuple[int, int]:
 
     def probe(engine: LLMEngine) -> tuple[bool, int, int]:
         if not engine.has_unfinished():
-            engine.block_manager.check_invariants([])
-        return engine.has_unfinished(), engine.block_manager.num_free_blocks, engine.config.num_blocks
+            engine._block_manager.check_invariants([])
+        return engine.has_unfinished(), engine.stats()["num_free_blocks"], engine.config.num_blocks
 
     deadline = time.monotonic() + timeout
     while True:

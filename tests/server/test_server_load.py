@@ -111,8 +111,8 @@ def test_concurrent_streams_with_hangups_and_bad_requests(served) -> None:
     # Every request has ended (finished or aborted): the engine is idle and holds no KV block.
     def probe(engine: LLMEngine) -> tuple[bool, int, int]:
         if not engine.has_unfinished():
-            engine.block_manager.check_invariants([])
-        return engine.has_unfinished(), engine.block_manager.num_free_blocks, engine.config.num_blocks
+            engine._block_manager.check_invariants([])
+        return engine.has_unfinished(), engine.stats()["num_free_blocks"], engine.config.num_blocks
 
     deadline = time.monotonic() + 15
     while (snapshot := state.loop.call(probe).result(15))[0] and time.monotonic() < deadline:

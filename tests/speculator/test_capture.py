@@ -37,9 +37,9 @@ def test_packs_keep_order_and_budgets() -> None:
 def test_batched_states_are_each_sequence_alone_up_to_rounding(numerics: str, tiny_llama: Path) -> None:
     engine = LLMEngine(tiny_llama, EngineConfig(block_size=4, num_blocks=512, max_model_len=256, numerics=numerics))
     token_lists = _sequences(6)
-    free = engine.block_manager.num_free_blocks
+    free = engine.stats()["num_free_blocks"]
     batched = batched_hidden_states(engine, token_lists, AUX)
-    assert engine.block_manager.num_free_blocks == free  # every block handed back
+    assert engine.stats()["num_free_blocks"] == free  # every block handed back
     for ids, (final, aux) in zip(token_lists, batched, strict=True):
         alone_final, alone_aux = engine.hidden_states(ids, AUX)
         assert final.shape == alone_final.shape == (len(ids), engine.hf_config.hidden_size)

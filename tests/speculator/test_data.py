@@ -59,7 +59,7 @@ def test_responses_at_any_concurrency_are_the_same_data(tiny_llama: Path) -> Non
     add = engine.add_request
 
     def counting(prompt, params):  # how many requests are unfinished when each one is added
-        seen.append(engine.scheduler.num_running + engine.scheduler.num_waiting)
+        seen.append(engine.stats()["num_running"] + engine.stats()["num_waiting"])
         return add(prompt, params)
 
     engine.add_request = counting  # type: ignore[method-assign]

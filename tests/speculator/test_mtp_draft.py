@@ -123,7 +123,7 @@ def test_speculative_greedy_with_mtp_equals_plain_greedy(family: str, k: int, re
     assert stats.num_drafts > 0 and len(stats.accepted_per_position) == k
     assert stats.num_draft_tokens > (k - 1) * stats.num_drafts  # chained past the one layer
     assert not engine.has_unfinished() and engine.speculator.states == {}
-    assert engine.block_manager.num_free_blocks == ENGINE.num_blocks
+    assert engine.stats()["num_free_blocks"] == ENGINE.num_blocks
 
 
 def test_a_checkpoint_without_mtp_layers_is_refused(tiny_deepseek_v3: Path) -> None:

@@ -27,7 +27,7 @@ def test_copied_parts_are_the_targets_last_layer(which: str, request: pytest.Fix
     random = build_draft(engine, VOCAB, [0, 1])
     draft = build_draft(engine, VOCAB, [0, 1], from_last_layer=True)
     layer, before = draft.layers[0], random.layers[0]
-    target = engine.runner.model.layers[-1]
+    target = engine.decoder_layer(-1)
     attn, mlp = target.self_attn, target.mlp
     q_rows, kv_rows = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
     if attn.qkv_proj is not None:
@@ -86,7 +86,7 @@ def test_split_projections_copy_like_fused_ones(tiny_llama: Path) -> None:
     engine = LLMEngine(tiny_llama, CONFIG)
     fused = last_layer_weights(engine)
     assert isinstance(fused, dict)
-    attn, mlp = engine.runner.model.layers[-1].self_attn, engine.runner.model.layers[-1].mlp
+    attn, mlp = engine.decoder_layer(-1).self_attn, engine.decoder_layer(-1).mlp
     attn.qkv_split = torch.nn.ModuleList(EngineLinear(fused[n].clone()) for n in ("q_proj", "k_proj", "v_proj"))
     attn.qkv_proj = None
     mlp.gate_proj, mlp.up_proj = EngineLinear(fused["gate_proj"].clone()), EngineLinear(fused["up_proj"].clone())
