@@ -10,9 +10,11 @@ command (`pipeline.stage_context`).  `docs/adding-a-stage.md` walks through addi
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from onboard.budget import ModelShape, StagePlan, model_shape
+from onboard.errors import OnboardError
 
 if TYPE_CHECKING:
     from onboard.endpoint import EndpointSpec
@@ -42,6 +44,27 @@ class StageContext:
     def shape(self) -> ModelShape:
         """The source model's shape, from its safetensors headers: parsed once, for every plan."""
         return model_shape(self.checkpoint.path)
+
+
+def engine_refusal(checkpoint: "Checkpoint") -> str | None:
+    """Why the reference engine cannot run `checkpoint`'s family, in one line (None: it can). Read
+    from config.json's `architectures` and `model_type` alone: nothing is loaded."""
+    from onboard.engine import UnsupportedArchitecture, engine_model_name
+
+    config = SimpleNamespace(architectures=checkpoint.architectures, model_type=checkpoint.config.get("model_type"))
+    try:
+        engine_model_name(config)
+    except UnsupportedArchitecture as err:
+        return str(err)
+    return None
+
+
+def require_engine(ctx: StageContext, stage: str) -> None:
+    """A stage that runs the reference engine refuses, in its plan (so before any stage runs), a
+    family the engine does not run, naming what it lacks; quantize and eval need no engine."""
+    refusal = engine_refusal(ctx.checkpoint)
+    if refusal is not None:
+        raise OnboardError(f"{stage}: {refusal}; quantize and eval run without it (--stages quantize,eval)")
 
 
 class StageModule(Protocol):

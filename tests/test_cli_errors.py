@@ -104,6 +104,7 @@ class Inputs:
     truncated: Path
     pickle_only: Path
     unknown_arch: Path
+    engine_lacks: Path
     typo_top: Path
     typo_nested: Path
     empty_txt: Path
@@ -145,6 +146,7 @@ def inputs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Inputs
         truncated=truncated,
         pickle_only=tiny_models.build_pickle_only(base / "pickle_only"),
         unknown_arch=tiny_models.build_unknown_arch(base / "unknown_arch"),
+        engine_lacks=tiny_models.build_engine_lacks(base / "engine_lacks"),
         typo_top=typo_top,
         typo_nested=typo_nested,
         empty_txt=empty_txt,
@@ -186,6 +188,13 @@ def make_cases(i: Inputs) -> dict[str, Case]:
             quantize("unknown_arch", i.unknown_arch),
             [str(i.unknown_arch), "notamodel", "NotAModelForCausalLM"],
             runs / "unknown_arch",
+        ),
+        # `onboard run` on a family transformers knows and the engine does not: refused before any
+        # stage (quantize would have run first), naming what the engine lacks.
+        "run_engine_lacks": Case(
+            ["run", str(i.engine_lacks), "--out", str(runs / "run_engine_lacks")],
+            ["speculator:", "Qwen3_5ForConditionalGeneration", "Gated DeltaNet", "--stages quantize,eval"],
+            runs / "run_engine_lacks",
         ),
         "recipe_typo_top": Case(
             quantize("recipe_typo_top", i.model, "--recipe", str(i.typo_top)),
@@ -364,6 +373,7 @@ CASES = [
     "truncated_safetensors",
     "pickle_only",
     "unknown_arch",
+    "run_engine_lacks",
     "recipe_typo_top",
     "recipe_typo_nested",
     "calib_empty_file",

@@ -34,6 +34,23 @@ def test_the_plans_are_printed_in_table_order_whatever_the_order_asked(tiny_llam
     assert [plan.stage for plan in plans] == ["quantize", "smoke"]
 
 
+def test_stages_that_run_the_engine_refuse_in_their_plan_a_family_it_lacks(tiny_llama: Path, tmp_path: Path) -> None:
+    """Before any stage runs: speculator, adapt and smoke name what the engine lacks; quantize and
+    eval, which need no engine, plan as usual."""
+    import tiny_models
+
+    from onboard.errors import OnboardError
+    from onboard.stage import engine_refusal
+
+    ctx = pipeline.stage_context(tiny_models.build_engine_lacks(tmp_path / "qwen3_5"), None, {})
+    assert "Gated DeltaNet" in engine_refusal(ctx.checkpoint)
+    assert engine_refusal(pipeline.stage_context(tiny_llama, None, {}).checkpoint) is None
+    for name in ("speculator", "adapt", "smoke"):
+        with pytest.raises(OnboardError, match=f"^{name}: the serving engine does not support"):
+            pipeline.stage_module(name).plan(ctx)
+    assert [pipeline.stage_module(name).plan(ctx).stage for name in ("quantize", "eval")] == ["quantize", "eval"]
+
+
 def _example_stage() -> str:
     """The first Python block of docs/adding-a-stage.md: the example stage's whole module."""
     text = (ROOT / "docs" / "adding-a-stage.md").read_text()

@@ -463,3 +463,21 @@ def build_unknown_arch(out_dir: Path) -> Path:
     }
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+def build_engine_lacks(out_dir: Path) -> Path:
+    """A Qwen3.5-shaped checkpoint dir (transformers knows `qwen3_5`, the engine does not): only what
+    is read before any stage runs, a config and one tensor in the VLM wrapper's names."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = {"hidden_size": 16, "num_hidden_layers": 1, "vocab_size": 32, "intermediate_size": 32}
+    config = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": {**text, "model_type": "qwen3_5_text"},
+        "dtype": "bfloat16",
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    weight = torch.randn(32, 16, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    save_file({"model.language_model.embed_tokens.weight": weight}, str(out_dir / "model.safetensors"))
+    return out_dir

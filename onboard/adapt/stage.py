@@ -19,7 +19,7 @@ from onboard.errors import OnboardError
 from onboard.evaluate.kl import KLStats
 from onboard.hashing import fingerprint
 from onboard.models import Checkpoint, inspect_checkpoint, load_model, load_tokenizer
-from onboard.stage import StageContext, StageResult
+from onboard.stage import StageContext, StageResult, require_engine
 from onboard.workspace import LAYERWISE, PARITY, RunDir, Stage, is_run
 
 NUM_PROMPTS = 16
@@ -383,6 +383,7 @@ def resolve_target(path: Path, out: Path | None) -> tuple[Path, Path]:
 
 
 def plan(ctx: StageContext) -> StagePlan:
+    require_engine(ctx, "adapt")
     return adapt_plan(ctx.shape, ctx.budget)
 
 

@@ -34,9 +34,11 @@ from onboard.cli.options import (
     endpoint_spec,
     memory_budget,
 )
+from onboard.console import console
 from onboard.data import existing_data
 from onboard.errors import OnboardError
 from onboard.pipeline import DEMO_RECIPE, STAGES, profile_overrides, run_pipeline, stage_context
+from onboard.stage import engine_refusal
 
 
 def quantize(
@@ -88,6 +90,9 @@ def quantize(
                 trust_remote_code=trust_remote_code,
                 max_memory=budget,
             )
+            refusal = engine_refusal(ctx.checkpoint)
+            if refusal is not None:  # llm-compressor may still quantize it: say now what comes later
+                console.print(f"[yellow]warning[/]: adapt, speculator and smoke will refuse this model: {refusal}")
             run_pipeline(ctx, root, ["quantize"])
     finally:
         distributed.finish()

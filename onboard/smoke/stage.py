@@ -27,7 +27,7 @@ from onboard.smoke.analysis import Side, compare, smoke_table, worst_cases
 from onboard.smoke.invariance import check_invariance, check_speculative
 from onboard.smoke.passes import generate, params_for
 from onboard.smoke.prompts import smoke_prompts
-from onboard.stage import StageContext, StageResult
+from onboard.stage import StageContext, StageResult, require_engine
 from onboard.workspace import SMOKE, RunDir, Stage, folder
 
 MODES = ("greedy", "sampled")
@@ -121,7 +121,10 @@ def plan(ctx: StageContext) -> StagePlan:
     """Generating holds both models whole; over the budget, only a deployment of each can run it."""
     both = bool(ctx.endpoint and ctx.reference_endpoint)
     options = "--endpoint URL --reference-endpoint URL"
-    return plan_stage("smoke", ctx.shape, ctx.budget, 0, endpoint=both, options=options)
+    planned = plan_stage("smoke", ctx.shape, ctx.budget, 0, endpoint=both, options=options)
+    if planned.path != "endpoint":  # both sides generate through the reference engine
+        require_engine(ctx, "smoke")
+    return planned
 
 
 def run(run_dir: RunDir, ctx: StageContext) -> StageResult:

@@ -71,7 +71,7 @@ from onboard.speculator.teacher import (
     teacher_forced_code,
 )
 from onboard.speculator.work import captured_data, data_metrics, finish, train_captured
-from onboard.stage import StageContext, StageResult
+from onboard.stage import StageContext, StageResult, require_engine
 from onboard.workspace import DRAFT, SPECULATOR_METRICS, SPECULATOR_WORK, RunDir, Stage, folder
 
 DATA_SETTINGS = {  # the settings the captured data depends on
@@ -380,8 +380,11 @@ def _in_memory_body(
 
 
 def plan(ctx: StageContext) -> StagePlan:
-    """Over the budget: trained on streamed data, measured on `ctx.endpoint` when given."""
-    return speculator_plan(ctx.shape, ctx.recipe.speculator, ctx.budget, ctx.endpoint is not None)
+    """Over the budget: trained on streamed data, measured on `ctx.endpoint` when given (no engine)."""
+    planned = speculator_plan(ctx.shape, ctx.recipe.speculator, ctx.budget, ctx.endpoint is not None)
+    if planned.path == "in-memory":  # the engine generates, captures and measures
+        require_engine(ctx, "speculator")
+    return planned
 
 
 def run(run_dir: RunDir, ctx: StageContext) -> StageResult:

@@ -394,6 +394,25 @@ def test_registry():
     assert "docs/adding-an-architecture.md" in message
 
 
+def test_what_the_engine_lacks_is_named_for_families_transformers_knows():
+    """Each entry is a model_type transformers has, of a family the registry does not serve, and
+    the refusal for it names what the engine lacks."""
+    from types import SimpleNamespace
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from onboard.engine.models import LACKING
+
+    assert set(LACKING) <= set(CONFIG_MAPPING_NAMES)
+    for model_type, lacks in LACKING.items():
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, f"{model_type}ForConditionalGeneration")
+        assert arch not in MODEL_REGISTRY, model_type
+        with pytest.raises(UnsupportedArchitecture) as info:
+            model_class(SimpleNamespace(architectures=[arch], model_type=model_type))
+        assert f"({model_type}: the engine lacks {lacks})" in str(info.value)
+
+
 def test_kv_cache_write_gather():
     cache = KVCache(KVLayout.mha(2, 2, 4, torch.float32), 8, BLOCK_SIZE, "cpu")
     k = torch.randn(6, 2, 4)

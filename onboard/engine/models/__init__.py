@@ -8,6 +8,7 @@ from typing import Any
 
 from onboard.engine.models.base import DecoderModel
 from onboard.engine.models.deepseek_v3 import DeepseekV3Model
+from onboard.engine.models.lacking import LACKING
 from onboard.engine.models.llama import LlamaModel
 from onboard.engine.models.qwen3_moe import Qwen3MoeModel
 from onboard.errors import OnboardError
@@ -40,9 +41,11 @@ def model_class(config: Any) -> type[DecoderModel]:
     for arch in archs:
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]
-    name = archs[0] if archs else f"<none; model_type {getattr(config, 'model_type', None)!r}>"
+    model_type = getattr(config, "model_type", None)
+    name = archs[0] if archs else f"<none; model_type {model_type!r}>"
+    lacks = f" ({model_type}: the engine lacks {LACKING[model_type]})" if model_type in LACKING else ""
     raise UnsupportedArchitecture(
-        f"the serving engine does not support architecture {name}; supported: "
+        f"the serving engine does not support architecture {name}{lacks}; supported: "
         f"{', '.join(supported_architectures())}. How to add one: {GUIDE}"
     )
 
@@ -65,6 +68,7 @@ def uses_mla(config: Any) -> bool:
 
 
 __all__ = [
+    "LACKING",
     "MODEL_REGISTRY",
     "DecoderModel",
     "DeepseekV3Model",

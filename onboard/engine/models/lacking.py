@@ -1,0 +1,33 @@
+"""What the engine lacks for each recent family that transformers knows and the registry does not
+serve, by `model_type` (from each family's transformers modeling code): `onboard run` names it in
+its refusal before any stage runs. `docs/adding-an-architecture.md` says how to add a family.
+
+An entry is removed when its family is added to `MODEL_REGISTRY` (a test keeps the two apart).
+"""
+
+LACKING: dict[str, str] = {
+    "qwen3_5": "Gated DeltaNet linear attention with a per-sequence recurrent state, partial rotary, "
+    "output-gated attention, zero-centred norms, the VLM wrapper and MTP under mtp.*",
+    "qwen3_5_moe": "Gated DeltaNet linear attention with a per-sequence recurrent state, partial rotary, "
+    "output-gated attention, zero-centred norms, a sigmoid-gated shared expert, the VLM wrapper and MTP under mtp.*",
+    "qwen3_next": "Gated DeltaNet linear attention with a per-sequence recurrent state, partial rotary, "
+    "output-gated attention, zero-centred norms and a sigmoid-gated shared expert",
+    "glm5_next": "KDA linear attention with a per-sequence recurrent state, NoPE MLA, a DSA indexer over pooled "
+    "keys, hyper-connections, clamped SwiGLU experts and the VLM wrapper",
+    "kimi_linear": "KDA linear attention with a per-sequence recurrent state and NoPE MLA",
+    "deepseek_v4": "compressed sparse attention (CSA/HCA), attention sinks, trailing partial rotary, "
+    "hyper-connections, sqrtsoftplus and hash routing, clamped SwiGLU experts and an FP8/FP4 source",
+    "nemotron_h": "Mamba2 layers with a per-sequence recurrent state, NoPE attention and relu² experts",
+    "olmo_hybrid": "Gated DeltaNet linear attention with a per-sequence recurrent state, post-norm NoPE "
+    "attention and full-width q/k norms",
+    "gpt_oss": "attention sinks, a biased top-k-then-softmax router, expert biases, clamped experts "
+    "and an MXFP4 source",
+    "minimax_m2": "partial rotary, q/k norms over the whole projection and a sigmoid router without groups",
+    "mistral4": "a softmax group-limited router without bias and position-dependent query scaling on MLA",
+    "kimi_k25": "the VLM wrapper around DeepSeek-V3 and its INT4 source",
+    "glm4_moe": "partial rotary",
+    "glm4_moe_lite": "a registry line and a recipe (MLA and DeepSeek MoE, both supported)",
+    "longcat_flash": "dual MLA sub-layers with a shortcut MoE per block, zero experts and MTP under model.mtp.*",
+    "llama4": "chunked attention, NoPE layers with temperature tuning, L2 q/k norms and the VLM wrapper",
+    "gemma3": "sandwich norms, zero-centred norms, embedding scaling and the VLM wrapper",
+}
