@@ -46,15 +46,20 @@ class StageContext:
         return model_shape(self.checkpoint.path)
 
 
-def engine_refusal(checkpoint: "Checkpoint") -> str | None:
-    """Why the reference engine cannot run `checkpoint`'s family, in one line (None: it can). Read
-    from config.json's `architectures` and `model_type` alone: nothing is loaded."""
-    from onboard.engine import UnsupportedArchitecture, engine_model_name
+def engine_model_for(checkpoint: "Checkpoint") -> str:
+    """The engine class serving `checkpoint`'s family, or a one-line refusal naming what the engine
+    lacks (`UnsupportedArchitecture`). Read from config.json's `architectures` and `model_type`
+    alone: nothing is loaded."""
+    from onboard.engine import engine_model_name
 
-    config = SimpleNamespace(architectures=checkpoint.architectures, model_type=checkpoint.config.get("model_type"))
+    return engine_model_name(SimpleNamespace(architectures=checkpoint.architectures, model_type=checkpoint.model_type))
+
+
+def engine_refusal(checkpoint: "Checkpoint") -> str | None:
+    """Why the reference engine cannot run `checkpoint`'s family, in one line (None: it can)."""
     try:
-        engine_model_name(config)
-    except UnsupportedArchitecture as err:
+        engine_model_for(checkpoint)
+    except OnboardError as err:
         return str(err)
     return None
 

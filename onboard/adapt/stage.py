@@ -19,25 +19,13 @@ from onboard.errors import OnboardError
 from onboard.evaluate.kl import KLStats
 from onboard.hashing import fingerprint
 from onboard.models import Checkpoint, inspect_checkpoint, load_model, load_tokenizer
-from onboard.stage import StageContext, StageResult, require_engine
+from onboard.stage import StageContext, StageResult, engine_model_for, require_engine
 from onboard.workspace import LAYERWISE, PARITY, RunDir, Stage, is_run
 
 NUM_PROMPTS = 16
 MAX_PROMPT_TOKENS = 192
 MAX_NEW_TOKENS = 64
 TOP = 5
-
-
-def engine_model_for(checkpoint: Checkpoint) -> str:
-    """The engine class serving this architecture, or a one-line refusal."""
-    from transformers import AutoConfig
-
-    from onboard.engine import UnsupportedArchitecture, engine_model_name
-
-    try:
-        return engine_model_name(AutoConfig.from_pretrained(checkpoint.path))
-    except UnsupportedArchitecture as err:
-        raise OnboardError(str(err)) from err
 
 
 def parity_prompts(tokenizer, num_prompts: int = NUM_PROMPTS) -> list[list[int]]:

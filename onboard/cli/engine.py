@@ -35,9 +35,10 @@ def adapt(
 ) -> None:
     """Map the checkpoint onto the reference engine and prove logit parity with transformers; over
     --max-memory (both models resident), layer by layer as --layerwise."""
-    from onboard.adapt.stage import adapt_plan, engine_model_for, resolve_target, run_adapt, run_layerwise
+    from onboard.adapt.stage import adapt_plan, resolve_target, run_adapt, run_layerwise
     from onboard.budget import model_shape
     from onboard.models import inspect_checkpoint
+    from onboard.stage import engine_model_for
     from onboard.workspace import RunDir
 
     model_dir, run_dir = resolve_target(path, out)
