@@ -77,6 +77,14 @@ def run_root(out: Path) -> Iterator[Path]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def barrier() -> None:
+    """Every rank reaches this point before any goes on (nothing in one process)."""
+    import torch.distributed as dist
+
+    if world_size() > 1 and dist.is_initialized():
+        dist.barrier()
+
+
 def finish() -> None:
     import torch.distributed as dist
 

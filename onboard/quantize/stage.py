@@ -202,6 +202,9 @@ def run_quantize(
         if in_place:
             auto["artifact_kld"] = selection.replay.mean_kl()[0]
 
+        # compressed-tensors 0.19 compresses for the save without waiting: a rank done calibrating
+        # would delete offloaded weights (rank 0's files, shared) that another rank still reads.
+        distributed.barrier()
         artifact = stage.path(ARTIFACT)
         # Shards of a fixed size, whatever the path: the same bytes in memory or streamed, and
         # an offloaded model is gathered one shard at a time.
