@@ -144,10 +144,12 @@ class StagePlan:
     stage: str
     in_memory: int  # estimated peak bytes, whole models resident
     streamed: int | None  # estimated peak bytes streamed one layer at a time; None: no such path
-    path: str  # "in-memory" | "streamed" | "endpoint"
+    path: str  # "in-memory" | "streamed" | "endpoint" | "transformers" | "skipped" (`stage.skipped`)
     bound: str  # what the chosen path's peak is made of
 
     def row(self) -> list[str]:
+        if self.path == "skipped":
+            return [self.stage, "—", "—", self.path, self.bound]
         streamed = "—" if self.streamed is None else human(self.streamed)
         return [self.stage, human(self.in_memory), streamed, self.path, self.bound]
 

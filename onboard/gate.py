@@ -51,7 +51,8 @@ class Check:
     # adapt's parity rules the check belongs to (parity.json `rule`); empty: every run
     rules: tuple[str, ...] = ()
     # A metrics key whose text says why the value is null: the check is then not measured (the run
-    # incomplete), not malformed. The speculator over the memory budget without a deployment.
+    # incomplete), not malformed: the speculator over the memory budget without a deployment,
+    # smoke's batch invariance through transformers.
     note_key: str | None = None
 
 
@@ -122,7 +123,14 @@ CHECKS = (
     Check("near_duplicate_excess", "smoke", "max_near_duplicate_excess", operator.le, _excess("near_duplicate_rate")),
     Check("entropy_ratio", "smoke", "min_entropy_ratio", operator.ge, itemgetter("entropy_ratio")),
     Check("garbage_excess", "smoke", "max_garbage_excess", operator.le, _excess("garbage_rate")),
-    Check("batch_invariant", "smoke", "require_batch_invariance", _required, itemgetter("batch_invariant")),
+    Check(
+        "batch_invariant",
+        "smoke",
+        "require_batch_invariance",
+        _required,
+        itemgetter("batch_invariant"),
+        note_key="invariance_note",  # smoke through transformers (--skip-adapt): no serving engine
+    ),
     # The numerics that serve, against the same reference: every divergence a near-tie.
     Check("fast_parity", "adapt", "require_fast_parity", _required, lambda m: m["fast"]["logprobs_close"], TOKEN_RULES),
     # 4-bit activations: both numerics' distributions against transformers' and the source's, and
@@ -257,10 +265,13 @@ def evaluate_gate(run_dir: Path, gate: Gate | None = None) -> dict[str, Any]:
             entry["note"] = metrics[check.note_key]
         checks.append(entry)
     missing = [stage for stage, metrics in results.items() if metrics is None]
+    stages = read_manifest(run_dir)["stages"]
     return {
         "passed": not missing and all(c["passed"] for c in checks),
         "complete": not missing and not any("note" in c for c in checks),
         "missing": missing,
+        # missing stages the run chose not to run (`onboard run --skip-adapt`), with why
+        "skipped": {s: stages[s].get("reason", "") for s in missing if stages.get(s, {}).get("status") == "skipped"},
         "parity_rule": rule,
         "checks": checks,
     }

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from onboard.budget import StagePlan, resolve_budget
 from onboard.errors import OnboardError
-from onboard.stage import StageContext, StageModule
+from onboard.stage import SKIPPED, StageContext, StageModule
 
 # The stages that work in the run directory, in the order they run: each module has the pair
 # `plan(ctx)` and `run(run_dir, ctx)` (`onboard/stage.py`). A new stage is a package and a row here.
@@ -76,6 +76,7 @@ def stage_context(
     device: str = "cpu",
     numerics: str = "fast",
     max_memory: int | None = None,
+    skip_adapt: bool = False,
 ) -> StageContext:
     """Everything the user gave, checked before any run directory is touched: the model, the recipe
     with `overrides`, the data files, the budget (`max_memory` bytes; None: the default) and the
@@ -96,6 +97,7 @@ def stage_context(
         reference_endpoint=reference_spec,
         calib=existing_data(calib),
         data=existing_data(data),
+        skip_adapt=skip_adapt,
     )
 
 
@@ -122,12 +124,14 @@ def run_pipeline(ctx: StageContext, out: Path, stages: list[str], junit: Path | 
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise OnboardError(f"unknown stage {unknown[0]!r}; stages are {', '.join(STAGES)}")
-    run_plan(ctx, stages)  # a stage that fits no path refuses here, before the run directory exists
+    plans = run_plan(ctx, stages)  # a stage that fits no path refuses here, before the run directory exists
     with RunDir(out) as run:
         run.record_recipe(ctx.recipe)
-        for name in STAGE_MODULES:
-            if name in stages:
-                stage_module(name).run(run, ctx)
+        for plan in plans:
+            if plan.path == SKIPPED:
+                run.record_skipped(plan.stage, plan.bound)
+            else:
+                stage_module(plan.stage).run(run, ctx)
         return finish(run.root, "report" in stages, "gate" in stages, junit)
 
 
@@ -167,4 +171,6 @@ def finish(run_dir: Path, report: bool, gate: bool, junit: Path | None = None) -
         console.print(f"report: {write_report(run_dir)}")
     if gate:
         console.print(gate_table(result))
+        for stage, reason in result["skipped"].items():
+            console.print(f"{stage} skipped: {reason}")
     return code

@@ -39,6 +39,7 @@ class StageContext:
     reference_endpoint: "EndpointSpec | None" = None  # the unquantized reference served
     calib: Path | None = None  # the calibration data, None: the built-in set
     data: Path | None = None  # the evaluation and smoke prompts, None: the built-in set
+    skip_adapt: bool = False  # --skip-adapt: no adaptation proof; transformers where the engine lacks the family
 
     @cached_property
     def shape(self) -> ModelShape:
@@ -69,7 +70,18 @@ def require_engine(ctx: StageContext, stage: str) -> None:
     family the engine does not run, naming what it lacks; quantize and eval need no engine."""
     refusal = engine_refusal(ctx.checkpoint)
     if refusal is not None:
-        raise OnboardError(f"{stage}: {refusal}; quantize and eval run without it (--stages quantize,eval)")
+        raise OnboardError(
+            f"{stage}: {refusal}; --skip-adapt runs quantize, eval and smoke without it (through transformers)"
+        )
+
+
+def skipped(stage: str, reason: str) -> StagePlan:
+    """The plan of a stage that does not run: `run_pipeline` records `reason` in the manifest, and
+    the gate and the report show the stage as skipped, with it."""
+    return StagePlan(stage, 0, None, SKIPPED, reason)
+
+
+SKIPPED = "skipped"
 
 
 class StageModule(Protocol):

@@ -188,6 +188,13 @@ class RunDir:
         manifest["recipe"] = recipe.model_dump()
         self._save(manifest)
 
+    def record_skipped(self, name: str, reason: str) -> None:
+        """`name` did not run, and why (a finished run of it stays: its results still stand)."""
+        manifest = self.manifest()
+        if (manifest["stages"].get(name) or {}).get("status") != "done":
+            manifest["stages"][name] = {"status": "skipped", "reason": reason, "finished": _now()}
+            self._save(manifest)
+
     def recipe(self) -> Recipe:
         recorded = self.manifest().get("recipe")
         try:

@@ -1,6 +1,7 @@
 """`onboard run`: every stage in order on a tiny model, the verdict as the exit code, resumed runs."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,34 @@ def test_every_stage_on_a_dsa_model(tiny_deepseek_v32: Path, tmp_path: Path) -> 
     assert (out / "artifact" / "speculator" / "config.json").is_file()
     checks = {c["name"]: c for c in gate["checks"]}
     assert checks["parity_top1_agreement"]["passed"] and checks["batch_invariant"]["passed"]
+
+
+def test_skip_adapt_runs_a_family_the_engine_lacks_through_transformers(tmp_path: Path) -> None:
+    """A Qwen3.5 text model: quantized, evaluated and smoked through transformers; adapt and the
+    speculator recorded as skipped with why, and the verdict incomplete (no adaptation proof)."""
+    import tiny_models
+
+    checkpoint = tiny_models.build_qwen3_5_text(tmp_path / "qwen3_5")
+    out = tmp_path / "run"
+    ctx = stage_context(checkpoint, None, overrides(), skip_adapt=True)
+    assert run_pipeline(ctx, out, list(STAGES)) == 2
+    stages = json.loads((out / "manifest.json").read_text())["stages"]
+    statuses = {name: stages[name]["status"] for name in stages}
+    assert statuses == {
+        "quantize": "done",
+        "eval": "done",
+        "speculator": "skipped",
+        "adapt": "skipped",
+        "smoke": "done",
+    }
+    assert "Gated DeltaNet" in stages["adapt"]["reason"]
+    smoke = json.loads((out / "smoke" / "smoke.json").read_text())
+    assert smoke["generated_by"] == "transformers" and smoke["batch_invariant"] is None
+    # the raw model's entropy at each step, both sides: positive and at most that of a uniform draw
+    assert smoke["num_prompts"] == 4 and set(smoke["by_mode"]) == {"greedy", "sampled"}
+    assert all(0 < smoke[key] <= math.log(tiny_models.VOCAB_SIZE) for key in ("mean_entropy", "reference_mean_entropy"))
+    gate = json.loads((out / "gate.json").read_text())
+    assert gate["missing"] == ["speculator", "adapt"] and set(gate["skipped"]) == {"speculator", "adapt"}
+    assert next(c for c in gate["checks"] if c["name"] == "batch_invariant")["note"].startswith("not measured")
+    report = (out / "report.html").read_text()
+    assert "INCOMPLETE" in report and "adapt skipped: --skip-adapt: the adaptation proof is missing" in report

@@ -51,6 +51,21 @@ def test_stages_that_run_the_engine_refuse_in_their_plan_a_family_it_lacks(tiny_
     assert [pipeline.stage_module(name).plan(ctx).stage for name in ("quantize", "eval")] == ["quantize", "eval"]
 
 
+def test_skip_adapt_plans_transformers_only_where_the_engine_lacks_the_family(tiny_llama: Path, tmp_path: Path) -> None:
+    """--skip-adapt: adapt is skipped for any family; smoke and the speculator keep the engine where
+    it serves the family, and otherwise go through transformers (smoke) or are skipped."""
+    import tiny_models
+
+    lacking = tiny_models.build_engine_lacks(tmp_path / "qwen3_5")
+    paths = {}
+    for name, model in (("served", tiny_llama), ("lacking", lacking)):
+        ctx = pipeline.stage_context(model, None, {}, skip_adapt=True)
+        paths[name] = {plan.stage: plan.path for plan in pipeline.run_plan(ctx, list(pipeline.STAGES))}
+    in_memory = {"quantize": "in-memory", "eval": "in-memory"}
+    assert paths["served"] == {**in_memory, "speculator": "in-memory", "adapt": "skipped", "smoke": "in-memory"}
+    assert paths["lacking"] == {**in_memory, "speculator": "skipped", "adapt": "skipped", "smoke": "transformers"}
+
+
 def _example_stage() -> str:
     """The first Python block of docs/adding-a-stage.md: the example stage's whole module."""
     text = (ROOT / "docs" / "adding-a-stage.md").read_text()

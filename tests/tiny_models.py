@@ -465,6 +465,24 @@ def build_unknown_arch(out_dir: Path) -> Path:
     return out_dir
 
 
+def build_qwen3_5_text(out_dir: Path, seed: int = 0) -> Path:
+    """A whole tiny Qwen3.5 text model (`Qwen3_5ForCausalLM`): one Gated DeltaNet layer, then one
+    output-gated full-attention layer with partial rotary; a family the engine does not serve."""
+    config = transformers.Qwen3_5TextConfig(
+        **_common_kwargs(),
+        tie_word_embeddings=False,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=HEAD_DIM,
+        linear_value_head_dim=HEAD_DIM,
+    )
+    out_dir = Path(out_dir)
+    _make_model("qwen3_5_text", seed, config).save_pretrained(out_dir)
+    build_tokenizer(out_dir)
+    return out_dir
+
+
 def build_engine_lacks(out_dir: Path) -> Path:
     """A Qwen3.5-shaped checkpoint dir (transformers knows `qwen3_5`, the engine does not): only what
     is read before any stage runs, a config and one tensor in the VLM wrapper's names."""

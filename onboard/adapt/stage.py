@@ -19,7 +19,7 @@ from onboard.errors import OnboardError
 from onboard.evaluate.kl import KLStats
 from onboard.hashing import fingerprint
 from onboard.models import Checkpoint, inspect_checkpoint, load_model, load_tokenizer
-from onboard.stage import StageContext, StageResult, engine_model_for, require_engine
+from onboard.stage import StageContext, StageResult, engine_model_for, engine_refusal, require_engine, skipped
 from onboard.workspace import LAYERWISE, PARITY, RunDir, Stage, is_run
 
 NUM_PROMPTS = 16
@@ -371,6 +371,9 @@ def resolve_target(path: Path, out: Path | None) -> tuple[Path, Path]:
 
 
 def plan(ctx: StageContext) -> StagePlan:
+    if ctx.skip_adapt:
+        lacks = engine_refusal(ctx.checkpoint)
+        return skipped("adapt", "--skip-adapt: the adaptation proof is missing" + (f" ({lacks})" if lacks else ""))
     require_engine(ctx, "adapt")
     return adapt_plan(ctx.shape, ctx.budget)
 

@@ -99,4 +99,6 @@ def gate(
     console.print(gate_table(result))
     if result["missing"]:
         console.print(f"missing stages: {', '.join(result['missing'])}")
+    for stage, reason in result["skipped"].items():
+        console.print(f"{stage} skipped: {reason}")
     raise typer.Exit(exit_code(result))

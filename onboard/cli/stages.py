@@ -242,6 +242,14 @@ def run(
         str | None, typer.Option(help="over --max-memory: the unquantized reference served (smoke)")
     ] = None,
     reference_model: Annotated[str | None, typer.Option(help="with --reference-endpoint: its model id")] = None,
+    skip_adapt: Annotated[
+        bool,
+        typer.Option(
+            "--skip-adapt",
+            help="no adaptation proof (the gate says incomplete); for a family the reference engine does not "
+            "run, smoke generates through transformers and the speculator is skipped",
+        ),
+    ] = False,
 ) -> None:
     """Every stage in order (quantize, eval, speculator, adapt, smoke, report, gate), resuming those
     already finished with the same inputs; exits with the gate's code (0 pass, 1 fail). First prints
@@ -269,6 +277,7 @@ def run(
         device=device,
         numerics=check_numerics(numerics),
         max_memory=memory_budget(max_memory),
+        skip_adapt=skip_adapt,
     )
     code = run_pipeline(ctx, out, chosen, junit)
     raise typer.Exit(code)

@@ -105,5 +105,6 @@ def build(run: Run) -> dict[str, Any]:
         "failed": failed,
         "unmeasured": unmeasured,
         "missing": [str(m) for m in as_list((gate or {}).get("missing"))],
+        "skipped": {str(k): str(v) for k, v in as_dict((gate or {}).get("skipped")).items()},
         "tiles": tiles,
     }

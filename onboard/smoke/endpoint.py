@@ -35,11 +35,10 @@ from onboard.paths import CALIBRATION_DIR
 from onboard.recipes import Smoke
 from onboard.smoke.analysis import Side, compare, smoke_table, worst_cases
 from onboard.smoke.detectors import first_divergence
-from onboard.smoke.passes import Output, generate
+from onboard.smoke.passes import MODES, Output, generate
 from onboard.smoke.prompts import smoke_prompts
 from onboard.workspace import CACHE, SMOKE, at_endpoint, folder
 
-MODES = ("greedy", "sampled")
 TOP_LOGPROBS = 5  # per generated step: enough for the entropy estimate, small on the wire
 CONCURRENCY = 16
 

@@ -9,6 +9,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from onboard.console import console
 from onboard.engine import SamplingParams
 
+# Every smoke side generates each prompt twice: greedy, and with seeded sampling.
+MODES = ("greedy", "sampled")
+
 
 @dataclass
 class Output:

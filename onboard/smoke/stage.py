@@ -10,6 +10,7 @@ times slower on the CPU, and its greedy tokens are checked to equal plain decodi
 
 import gc
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +26,11 @@ from onboard.paths import CALIBRATION_DIR
 from onboard.recipes import Smoke
 from onboard.smoke.analysis import Side, compare, smoke_table, worst_cases
 from onboard.smoke.invariance import check_invariance, check_speculative
-from onboard.smoke.passes import generate, params_for
+from onboard.smoke.passes import MODES, generate, params_for
 from onboard.smoke.prompts import smoke_prompts
-from onboard.stage import StageContext, StageResult, require_engine
+from onboard.stage import StageContext, StageResult, engine_refusal, require_engine
 from onboard.workspace import SMOKE, RunDir, Stage, folder
 
-MODES = ("greedy", "sampled")
 # Room for every prompt at once: max_num_seqs sequences of prompt + max_tokens, in 16-token blocks.
 _NUM_BLOCKS = 8192
 
@@ -93,14 +93,26 @@ def measure_smoke(
 
 
 def run_smoke(
-    run: RunDir, config: Smoke, data: Path | None, device: str = "cpu", numerics: str = "fast"
+    run: RunDir,
+    config: Smoke,
+    data: Path | None,
+    device: str = "cpu",
+    numerics: str = "fast",
+    through: str = "engine",
 ) -> dict[str, Any]:
+    """`through` "engine" (the reference engine, in `numerics`) or "transformers" (a family the
+    engine does not run: `onboard run --skip-adapt`)."""
     run.require("quantize")
     reference = run.source
 
     def body(stage: Stage) -> dict[str, Any]:
         torch.manual_seed(config.seed)
-        result = measure_smoke(run.artifact, reference, config, data, device, numerics)
+        if through == "transformers":
+            from onboard.smoke.transformers_side import measure_transformers_smoke
+
+            result = measure_transformers_smoke(run.artifact, reference, config, data)
+        else:
+            result = measure_smoke(run.artifact, reference, config, data, device, numerics)
         throughput = result.pop("throughput")  # timings vary run to run: the manifest, not smoke.json
         atomic.write_json(stage.path(SMOKE), result)
         keys = ("loop_rate", "reference_loop_rate", "no_eos_rate", "distinct_2", "entropy_ratio", "batch_invariant")
@@ -110,6 +122,7 @@ def run_smoke(
         "artifact": fingerprint(run.artifact),
         "smoke": config.model_dump(),
         "numerics": numerics,
+        **({"through": through} if through != "engine" else {}),
         "data": fingerprint(data) if data else f"builtin:{fingerprint(CALIBRATION_DIR)}",
     }
     entry = run.run_stage("smoke", inputs, outputs=[folder(SMOKE)], body=body)
@@ -123,14 +136,21 @@ def plan(ctx: StageContext) -> StagePlan:
     options = "--endpoint URL --reference-endpoint URL"
     planned = plan_stage("smoke", ctx.shape, ctx.budget, 0, endpoint=both, options=options)
     if planned.path != "endpoint":  # both sides generate through the reference engine
+        if ctx.skip_adapt and engine_refusal(ctx.checkpoint):
+            return replace(planned, path=TRANSFORMERS, bound="both models whole, generating through transformers")
         require_engine(ctx, "smoke")
     return planned
 
 
+TRANSFORMERS = "transformers"
+
+
 def run(run_dir: RunDir, ctx: StageContext) -> StageResult:
-    if plan(ctx).path == "endpoint":
+    path = plan(ctx).path
+    if path == "endpoint":
         from onboard.smoke.endpoint import run_endpoint_smoke
 
         args = (ctx.recipe.smoke, ctx.data, ctx.endpoint, ctx.reference_endpoint, ctx.device, ctx.numerics)
         return run_endpoint_smoke(run_dir, *args)
-    return run_smoke(run_dir, ctx.recipe.smoke, ctx.data, ctx.device, ctx.numerics)
+    through = TRANSFORMERS if path == TRANSFORMERS else "engine"
+    return run_smoke(run_dir, ctx.recipe.smoke, ctx.data, ctx.device, ctx.numerics, through)

@@ -71,7 +71,7 @@ from onboard.speculator.teacher import (
     teacher_forced_code,
 )
 from onboard.speculator.work import captured_data, data_metrics, finish, train_captured
-from onboard.stage import StageContext, StageResult, require_engine
+from onboard.stage import StageContext, StageResult, engine_refusal, require_engine, skipped
 from onboard.workspace import DRAFT, SPECULATOR_METRICS, SPECULATOR_WORK, RunDir, Stage, folder
 
 DATA_SETTINGS = {  # the settings the captured data depends on
@@ -383,6 +383,9 @@ def plan(ctx: StageContext) -> StagePlan:
     """Over the budget: trained on streamed data, measured on `ctx.endpoint` when given (no engine)."""
     planned = speculator_plan(ctx.shape, ctx.recipe.speculator, ctx.budget, ctx.endpoint is not None)
     if planned.path == "in-memory":  # the engine generates, captures and measures
+        lacks = engine_refusal(ctx.checkpoint)
+        if lacks and ctx.skip_adapt:
+            return skipped("speculator", f"--skip-adapt: it trains on the reference engine's hidden states ({lacks})")
         require_engine(ctx, "speculator")
     return planned
 

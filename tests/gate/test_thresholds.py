@@ -63,7 +63,7 @@ def test_passing_run(tmp_path, rule):
         assert check["threshold"] == defaults[threshold_key]
     # gate.json: exactly this result, JSON-serializable.
     json.dumps(result, allow_nan=False)
-    assert set(result) == {"passed", "complete", "missing", "parity_rule", "checks"}
+    assert set(result) == {"passed", "complete", "missing", "skipped", "parity_rule", "checks"}
     assert all(set(check) == {"name", "stage", "value", "threshold", "passed"} for check in result["checks"])
 
 

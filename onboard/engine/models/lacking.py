@@ -10,6 +10,11 @@ LACKING: dict[str, str] = {
     "output-gated attention, zero-centred norms, the VLM wrapper and MTP under mtp.*",
     "qwen3_5_moe": "Gated DeltaNet linear attention with a per-sequence recurrent state, partial rotary, "
     "output-gated attention, zero-centred norms, a sigmoid-gated shared expert, the VLM wrapper and MTP under mtp.*",
+    # the text models alone (`Qwen3_5ForCausalLM`), as a text-only checkpoint stores them
+    "qwen3_5_text": "Gated DeltaNet linear attention with a per-sequence recurrent state, partial rotary, "
+    "output-gated attention and zero-centred norms",
+    "qwen3_5_moe_text": "Gated DeltaNet linear attention with a per-sequence recurrent state, partial rotary, "
+    "output-gated attention, zero-centred norms and a sigmoid-gated shared expert",
     "qwen3_next": "Gated DeltaNet linear attention with a per-sequence recurrent state, partial rotary, "
     "output-gated attention, zero-centred norms and a sigmoid-gated shared expert",
     "glm5_next": "KDA linear attention with a per-sequence recurrent state, NoPE MLA, a DSA indexer over pooled "
