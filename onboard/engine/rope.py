@@ -43,13 +43,20 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def rotary_dim_of(config: Any) -> int:
+    """The dims of a head that RoPE rotates: all of them, or the first `partial_rotary_factor` of
+    them (GLM-4-MoE, Qwen3.5, MiniMax-M2...), as transformers' rope init functions count them."""
+    factor = rope_parameters(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    return int(head_dim_of(config) * (1.0 if factor is None else factor))
+
+
 def compute_inv_freq(config: Any, device: torch.device | str | None = None, **kwargs) -> tuple[torch.Tensor, float]:
-    """`(inv_freq [d/2] float32, attention_scaling)` for the config's rope type."""
+    """`(inv_freq [r/2] float32, attention_scaling)` for the config's rope type (r: `rotary_dim_of`)."""
     params = rope_parameters(config)
     rope_type = params["rope_type"]
     if rope_type == "default":
         base = params["rope_theta"]
-        dim = head_dim_of(config)
+        dim = rotary_dim_of(config)
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq.to(device), 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
@@ -61,27 +68,24 @@ def compute_inv_freq(config: Any, device: torch.device | str | None = None, **kw
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin tables over positions; `forward(positions)` gives `(cos, sin_signed)`, each `[T, 1, d]`."""
+    """cos/sin tables over positions; `forward(positions)` gives `(cos, sin_signed)`, each `[T, 1, r]`
+    (r: the rotary dim, the head dim unless the rotary is partial)."""
 
     def __init__(self, config: Any, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        self.head_dim = head_dim_of(config)
         params = rope_parameters(config)
         self.rope_type = params["rope_type"]
         self.inv_freq, self.attention_scaling = compute_inv_freq(config, self.device)
-        if self.inv_freq.numel() * 2 != self.head_dim:
-            raise NotImplementedError(
-                f"partial rotary embeddings (rotary dim {self.inv_freq.numel() * 2} < head_dim {self.head_dim})"
-            )
+        self.rotary_dim = self.inv_freq.numel() * 2  # the tables' width
         self.long_inv_freq = None
         self.long_start = None
         if self.rope_type == "longrope":
             self.long_start = int(params["original_max_position_embeddings"])
             self.long_inv_freq, _ = compute_inv_freq(config, self.device, seq_len=self.long_start + 1)
-        self.cos_sin = torch.empty(0, 2, self.head_dim, dtype=dtype, device=self.device)
+        self.cos_sin = torch.empty(0, 2, self.rotary_dim, dtype=dtype, device=self.device)
         self._build(max(int(config.max_position_embeddings), 1))
 
     @property
@@ -93,7 +97,7 @@ class RotaryEmbedding(torch.nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
-        half = self.head_dim // 2
+        half = self.rotary_dim // 2
         sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         return torch.stack((cos, sin), dim=1).to(self.dtype)  # [N, 2, d]
 
@@ -113,7 +117,7 @@ class RotaryEmbedding(torch.nn.Module):
             self._build(size)
 
     def forward(self, positions: torch.Tensor, max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin for `positions` (`[T]`), each `[T, 1, head_dim]` in the compute dtype.
+        """cos and signed sin for `positions` (`[T]`), each `[T, 1, rotary dim]` in the compute dtype.
 
         `max_position` (an upper bound on `positions`, known on the host) lets the tables grow
         without reading the positions back from the device.
@@ -125,7 +129,12 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """transformers' `x * cos + rotate_half(x) * sin` for `x` `[T, heads, d]`, `cos`/`sin` `[T, 1, d]`."""
+    """transformers' `x * cos + rotate_half(x) * sin` for `x` `[T, heads, d]`, `cos`/`sin` `[T, 1, r]`:
+    the first r dims rotated, the rest passed through (partial rotary, as transformers' own
+    `apply_rotary_pos_emb` splits and concatenates them)."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :rotary], cos, sin_signed), x[..., rotary:]], dim=-1)
     rotated = torch.roll(x, x.shape[-1] // 2, dims=-1)
     out = x * cos
     out += rotated * sin_signed

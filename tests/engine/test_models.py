@@ -383,6 +383,32 @@ def test_mistral_sliding_window(tmp_path):
     decode_parity(path, [9, 13], chunk=4, max_new=6)
 
 
+def test_glm4_moe_partial_rotary_biases_and_deepseek_moe(tmp_path):
+    """GLM-4.5's family: half-rotary GQA with q/k/v biases and q/k norms, one dense layer, then
+    DeepSeek's sigmoid-routed, group-limited MoE with a shared expert; prefill bitwise-close and
+    chunked decode as transformers."""
+    config = transformers.Glm4MoeConfig(
+        **TINY,
+        head_dim=16,
+        partial_rotary_factor=0.5,
+        attention_bias=True,
+        use_qk_norm=True,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        tie_word_embeddings=False,
+    )
+    path = _save_random(config, tmp_path / "glm4_moe")
+    assert model_class(transformers.AutoConfig.from_pretrained(path)).__name__ == "Glm4MoeModel"
+    assert prefill_parity(path, [13, 5]) == 0.0
+    decode_parity(path, [9, 12], chunk=5, max_new=4)
+
+
 def test_registry():
     assert set(supported_architectures()) == set(MODEL_REGISTRY)
     assert model_class(transformers.Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"])) is Qwen3MoeModel

@@ -8,6 +8,7 @@ from typing import Any
 
 from onboard.engine.models.base import DecoderModel
 from onboard.engine.models.deepseek_v3 import DeepseekV3Model
+from onboard.engine.models.glm4_moe import Glm4MoeModel
 from onboard.engine.models.lacking import LACKING
 from onboard.engine.models.llama import LlamaModel
 from onboard.engine.models.qwen3_moe import Qwen3MoeModel
@@ -22,6 +23,7 @@ MODEL_REGISTRY: dict[str, type[DecoderModel]] = {
     "DeepseekV3ForCausalLM": DeepseekV3Model,
     "DeepseekV32ForCausalLM": DeepseekV3Model,
     "GlmMoeDsaForCausalLM": DeepseekV3Model,
+    "Glm4MoeForCausalLM": Glm4MoeModel,
 }
 
 GUIDE = "docs/adding-an-architecture.md"
@@ -72,6 +74,7 @@ __all__ = [
     "MODEL_REGISTRY",
     "DecoderModel",
     "DeepseekV3Model",
+    "Glm4MoeModel",
     "LlamaModel",
     "Qwen3MoeModel",
     "UnsupportedArchitecture",
