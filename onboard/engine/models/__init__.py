@@ -23,6 +23,7 @@ MODEL_REGISTRY: dict[str, type[DecoderModel]] = {
     "DeepseekV3ForCausalLM": DeepseekV3Model,
     "DeepseekV32ForCausalLM": DeepseekV3Model,
     "GlmMoeDsaForCausalLM": DeepseekV3Model,
+    "Glm4MoeLiteForCausalLM": DeepseekV3Model,  # GLM-4.7-Flash: DeepSeek-V3's MLA and MoE
     "Glm4MoeForCausalLM": Glm4MoeModel,
 }
 

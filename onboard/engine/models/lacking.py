@@ -30,7 +30,6 @@ LACKING: dict[str, str] = {
     "minimax_m2": "partial rotary, q/k norms over the whole projection and a sigmoid router without groups",
     "mistral4": "a softmax group-limited router without bias and position-dependent query scaling on MLA",
     "kimi_k25": "the VLM wrapper around DeepSeek-V3 and its INT4 source",
-    "glm4_moe_lite": "a registry line and a recipe (MLA and DeepSeek MoE, both supported)",
     "longcat_flash": "dual MLA sub-layers with a shortcut MoE per block, zero experts and MTP under model.mtp.*",
     "llama4": "chunked attention, NoPE layers with temperature tuning, L2 q/k norms and the VLM wrapper",
     "gemma3": "sandwich norms, zero-centred norms, embedding scaling and the VLM wrapper",
