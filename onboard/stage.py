@@ -75,13 +75,13 @@ def require_engine(ctx: StageContext, stage: str) -> None:
         )
 
 
+SKIPPED = "skipped"  # a plan's path when the stage does not run (`skipped`)
+
+
 def skipped(stage: str, reason: str) -> StagePlan:
     """The plan of a stage that does not run: `run_pipeline` records `reason` in the manifest, and
     the gate and the report show the stage as skipped, with it."""
     return StagePlan(stage, 0, None, SKIPPED, reason)
-
-
-SKIPPED = "skipped"
 
 
 class StageModule(Protocol):

@@ -135,5 +135,11 @@ def test_skip_adapt_runs_a_family_the_engine_lacks_through_transformers(tmp_path
     gate = json.loads((out / "gate.json").read_text())
     assert gate["missing"] == ["speculator", "adapt"] and set(gate["skipped"]) == {"speculator", "adapt"}
     assert next(c for c in gate["checks"] if c["name"] == "batch_invariant")["note"].startswith("not measured")
+    # Qwen3.5's MTP module (`mtp.*`, counted by mtp_num_hidden_layers) carried into the artifact as stored
+    mtp = json.loads((out / "quantize" / "selection.json").read_text())["mtp"]
+    assert mtp["tensors"] == 5 and mtp["kept"] and next(c for c in gate["checks"] if c["name"] == "mtp_kept")["passed"]
+    artifact_config = json.loads((out / "artifact" / "config.json").read_text())
+    assert artifact_config["mtp_num_hidden_layers"] == 1
+    assert r"re:mtp\." in artifact_config["quantization_config"]["ignore"]
     report = (out / "report.html").read_text()
     assert "INCOMPLETE" in report and "adapt skipped: --skip-adapt: the adaptation proof is missing" in report

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -480,7 +481,32 @@ def build_qwen3_5_text(out_dir: Path, seed: int = 0) -> Path:
     out_dir = Path(out_dir)
     _make_model("qwen3_5_text", seed, config).save_pretrained(out_dir)
     build_tokenizer(out_dir)
+    _add_qwen_mtp(out_dir, seed)
     return out_dir
+
+
+def _add_qwen_mtp(out_dir: Path, seed: int) -> None:
+    """One MTP layer as Qwen3.5 releases it: an `mtp.` module beside `model.` in its own shard,
+    counted by config.json's `mtp_num_hidden_layers` (transformers drops both on load)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    shapes = {
+        "mtp.fc.weight": (HIDDEN_SIZE, 2 * HIDDEN_SIZE),
+        "mtp.pre_fc_norm_embedding.weight": (HIDDEN_SIZE,),
+        "mtp.pre_fc_norm_hidden.weight": (HIDDEN_SIZE,),
+        "mtp.layers.0.mlp.down_proj.weight": (HIDDEN_SIZE, INTERMEDIATE_SIZE),
+        "mtp.norm.weight": (HIDDEN_SIZE,),
+    }
+    tensors = {
+        name: (torch.randn(shape, generator=gen) * LINEAR_STD).to(torch.bfloat16) for name, shape in shapes.items()
+    }
+    save_file(tensors, str(out_dir / "mtp.safetensors"), {"format": "pt"})
+    (out_dir / "model.safetensors").rename(out_dir / "model-00001-of-00001.safetensors")
+    with safe_open(str(out_dir / "model-00001-of-00001.safetensors"), framework="pt") as handle:
+        names = {name: "model-00001-of-00001.safetensors" for name in handle.keys()}  # noqa: SIM118
+    index = {"metadata": {}, "weight_map": {**names, **{name: "mtp.safetensors" for name in tensors}}}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config = json.loads((out_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}, indent=2) + "\n")
 
 
 def build_engine_lacks(out_dir: Path) -> Path:

@@ -1,9 +1,14 @@
-"""Multi-token-prediction (MTP) layers in a checkpoint: DeepSeek-V3/V3.2's and GLM-5's own speculator.
+"""Multi-token-prediction (MTP) layers in a checkpoint: a release's own speculator.
 
-They are stored as extra decoder layers after the main ones, `model.layers.{N + k}.*` for
-`N = num_hidden_layers` and `k < num_nextn_predict_layers` (transformers calls the count
-`num_mtp_layers`): the decoder block's tensors plus `enorm`, `hnorm`, `eh_proj`,
-`shared_head.norm` and, in DeepSeek's releases, copies of the embedding and the head.
+Two layouts, told apart by the tensor names:
+* DeepSeek-V3/V3.2, GLM-4.5 and GLM-5 store them as extra decoder layers after the main ones,
+  `model.layers.{N + k}.*` for `N = num_hidden_layers` and `k < num_nextn_predict_layers`
+  (transformers calls the count `num_mtp_layers`): the decoder block's tensors plus `enorm`,
+  `hnorm`, `eh_proj`, `shared_head.norm` and, in DeepSeek's releases, copies of the embedding and
+  the head.
+* Qwen3.5 and Qwen3-Next (and DeepSeek-V4, Nemotron-H) store one `mtp` module beside `model`,
+  `mtp.*` (its layers under `mtp.layers.k.`), counted by `mtp_num_hidden_layers` (Qwen) or
+  `num_nextn_predict_layers`.
 transformers drops them on load (`_keys_to_ignore_on_load_unexpected`), so anything that writes
 a checkpoint through a transformers model loses them unless it carries them by hand.
 
@@ -12,11 +17,13 @@ tensor reads.
 """
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from onboard.models.headers import TensorEntry, safetensors_entries
 
-COUNT_KEYS = ("num_nextn_predict_layers", "num_mtp_layers")
+COUNT_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers")
+MODULE_PREFIX = "mtp."  # the separate-module layout
 
 
 def declared_mtp_layers(config: dict) -> int:
@@ -28,28 +35,44 @@ def declared_mtp_layers(config: dict) -> int:
     return 0
 
 
-def mtp_prefixes(config: dict) -> list[str]:
+def _module_layout(config: dict, names: Iterable[str] | None) -> bool:
+    """The `mtp.` module layout: its count key says so, or the checkpoint's tensors do."""
+    if isinstance(config.get("mtp_num_hidden_layers"), int) and config["mtp_num_hidden_layers"] > 0:
+        return True
+    return names is not None and any(name.startswith(MODULE_PREFIX) for name in names)
+
+
+def mtp_prefixes(config: dict, names: Iterable[str] | None = None) -> list[str]:
+    """Where the declared MTP layers' tensors start (`names`: the checkpoint's, to tell the layout)."""
+    count = declared_mtp_layers(config)
+    if not count:
+        return []
+    if _module_layout(config, names):
+        return [MODULE_PREFIX]
     first = int(config["num_hidden_layers"])
-    return [f"model.layers.{first + k}." for k in range(declared_mtp_layers(config))]
+    return [f"model.layers.{first + k}." for k in range(count)]
 
 
-def ignore_pattern(config: dict) -> str | None:
+def ignore_pattern(config: dict, names: Iterable[str] | None = None) -> str | None:
     """A compressed-tensors `ignore` entry matching every MTP module (`re:` is matched from the start)."""
     first, count = int(config["num_hidden_layers"]), declared_mtp_layers(config)
     if not count:
         return None
+    if _module_layout(config, names):
+        return r"re:mtp\."
     layers = "|".join(str(first + k) for k in range(count))
     return rf"re:model\.layers\.({layers})\."
 
 
 def mtp_entries(directory: Path, config: dict | None = None) -> dict[str, TensorEntry]:
-    """The checkpoint's MTP tensors (by the config's count and layer numbers), from headers."""
+    """The checkpoint's MTP tensors (by the config's count and the layout), from headers."""
     if config is None:
         config = json.loads((Path(directory) / "config.json").read_text())
-    prefixes = tuple(mtp_prefixes(config))
-    if not prefixes:
+    if not declared_mtp_layers(config):
         return {}
-    return {name: entry for name, entry in safetensors_entries(directory).items() if name.startswith(prefixes)}
+    entries = safetensors_entries(directory)
+    prefixes = tuple(mtp_prefixes(config, entries))
+    return {name: entry for name, entry in entries.items() if name.startswith(prefixes)}
 
 
 def has_mtp_layers(directory: Path, config: dict | None = None) -> bool:

@@ -52,7 +52,7 @@ def carry_mtp(source: Path, artifact: Path) -> dict:
         save_file(tensors, str(artifact / f"mtp-{i + 1:05d}-of-{len(shards):05d}.safetensors"), {"format": "pt"})
         del tensors
     _write_index(artifact)
-    _edit_config(artifact, {key: config[key] for key in COUNT_KEYS if key in config}, ignore_pattern(config))
+    _edit_config(artifact, {key: config[key] for key in COUNT_KEYS if key in config}, ignore_pattern(config, entries))
     record = check_mtp_kept(source, artifact)
     console.print(
         f"kept {record['tensors']} MTP tensors ({record['bytes'] / 1e6:.1f} MB) of {declared} layer(s), as stored"

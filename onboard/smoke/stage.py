@@ -130,6 +130,9 @@ def run_smoke(
     return entry
 
 
+TRANSFORMERS = "transformers"  # the plan's path when both sides generate through transformers (--skip-adapt)
+
+
 def plan(ctx: StageContext) -> StagePlan:
     """Generating holds both models whole; over the budget, only a deployment of each can run it."""
     both = bool(ctx.endpoint and ctx.reference_endpoint)
@@ -140,9 +143,6 @@ def plan(ctx: StageContext) -> StagePlan:
             return replace(planned, path=TRANSFORMERS, bound="both models whole, generating through transformers")
         require_engine(ctx, "smoke")
     return planned
-
-
-TRANSFORMERS = "transformers"
 
 
 def run(run_dir: RunDir, ctx: StageContext) -> StageResult:

@@ -383,6 +383,18 @@ def test_mistral_sliding_window(tmp_path):
     decode_parity(path, [9, 13], chunk=4, max_new=6)
 
 
+# DeepSeek-V3's MoE as the GLM families configure it: 8 experts in 2 groups, top-2, one shared.
+DEEPSEEK_MOE = dict(
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    tie_word_embeddings=False,
+)
+
+
 def test_glm4_moe_partial_rotary_biases_and_deepseek_moe(tmp_path):
     """GLM-4.5's family: half-rotary GQA with q/k/v biases and q/k norms, one dense layer, then
     DeepSeek's sigmoid-routed, group-limited MoE with a shared expert; prefill bitwise-close and
@@ -393,15 +405,9 @@ def test_glm4_moe_partial_rotary_biases_and_deepseek_moe(tmp_path):
         partial_rotary_factor=0.5,
         attention_bias=True,
         use_qk_norm=True,
-        moe_intermediate_size=32,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        n_shared_experts=1,
+        **DEEPSEEK_MOE,
         first_k_dense_replace=1,
         routed_scaling_factor=2.5,
-        tie_word_embeddings=False,
     )
     path = _save_random(config, tmp_path / "glm4_moe")
     assert model_class(transformers.AutoConfig.from_pretrained(path)).__name__ == "Glm4MoeModel"
@@ -419,14 +425,8 @@ def test_glm4_moe_lite_is_deepseek_v3_mla_and_moe(tmp_path):
         qk_nope_head_dim=16,
         qk_rope_head_dim=16,
         v_head_dim=16,
-        moe_intermediate_size=32,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        n_shared_experts=1,
+        **DEEPSEEK_MOE,
         routed_scaling_factor=1.8,
-        tie_word_embeddings=False,
     )
     path = _save_random(config, tmp_path / "glm4_moe_lite")
     assert model_class(transformers.AutoConfig.from_pretrained(path)).__name__ == "DeepseekV3Model"
