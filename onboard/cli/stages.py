@@ -207,15 +207,24 @@ def speculator(
         raise OnboardError(f"--states-from {states_from}: not a checkpoint directory (no config.json)")
     # Under torchrun every process trains; the main one alone holds the run (run_speculator).
     parallel.init()
-    with run if parallel.is_main() else contextlib.nullcontext():
-        if spec is None:
-            run_speculator(
-                run, recipe.speculator, data, states_from, device, check_numerics(numerics), memory_budget(max_memory)
-            )
-        else:
-            from onboard.speculator.endpoint import run_endpoint_speculator
+    try:
+        with run if parallel.is_main() else contextlib.nullcontext():
+            if spec is None:
+                run_speculator(
+                    run,
+                    recipe.speculator,
+                    data,
+                    states_from,
+                    device,
+                    check_numerics(numerics),
+                    memory_budget(max_memory),
+                )
+            else:
+                from onboard.speculator.endpoint import run_endpoint_speculator
 
-            run_endpoint_speculator(run, recipe.speculator, data, spec)
+                run_endpoint_speculator(run, recipe.speculator, data, spec)
+    finally:
+        parallel.finish()
 
 
 def run(

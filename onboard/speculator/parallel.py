@@ -41,6 +41,13 @@ def init() -> None:
         dist.init_process_group("gloo")
 
 
+def finish() -> None:
+    """The process group torn down, where `init` made one: a gloo group still alive when the
+    interpreter exits aborts it now and then ("terminate called without an active exception")."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 

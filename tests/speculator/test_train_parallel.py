@@ -140,6 +140,7 @@ def _both(rank: int, port: int, draft: Eagle3Draft, data: Path, head: torch.Tens
     _as_rank(rank, port)
     _train(rank, draft, data, head, [root / "fresh", root / "resumed"])
     _stage(rank, root / "stage" / "run")
+    parallel.finish()  # as the CLI does
 
 
 @pytest.fixture(scope="module")
