@@ -77,6 +77,13 @@ def tiny_glm_moe_dsa(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Qwen3.5 text model: a Gated DeltaNet layer, then an output-gated attention layer, and
+    an MTP module under `mtp.*`. Shared: do not modify."""
+    return build_once(tmp_path_factory, "tiny_qwen3_5", tiny_models.build_qwen3_5_text)
+
+
+@pytest.fixture(scope="session")
 def tiny_mtp_deepseek_v3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny_deepseek_v3 with an MTP layer (model.layers.3.*). Shared: do not modify."""
     return build_once(

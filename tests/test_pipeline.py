@@ -109,11 +109,11 @@ def test_every_stage_on_a_dsa_model(tiny_deepseek_v32: Path, tmp_path: Path) -> 
 
 
 def test_skip_adapt_runs_a_family_the_engine_lacks_through_transformers(tmp_path: Path) -> None:
-    """A Qwen3.5 text model: quantized, evaluated and smoked through transformers; adapt and the
+    """A Qwen3.5-MoE text model: quantized, evaluated and smoked through transformers; adapt and the
     speculator recorded as skipped with why, and the verdict incomplete (no adaptation proof)."""
     import tiny_models
 
-    checkpoint = tiny_models.build_qwen3_5_text(tmp_path / "qwen3_5")
+    checkpoint = tiny_models.build_qwen3_5_moe_text(tmp_path / "qwen3_5_moe")
     out = tmp_path / "run"
     ctx = stage_context(checkpoint, None, overrides(), skip_adapt=True)
     assert run_pipeline(ctx, out, list(STAGES)) == 2
@@ -126,7 +126,7 @@ def test_skip_adapt_runs_a_family_the_engine_lacks_through_transformers(tmp_path
         "adapt": "skipped",
         "smoke": "done",
     }
-    assert "Gated DeltaNet" in stages["adapt"]["reason"]
+    assert "sigmoid-gated shared expert" in stages["adapt"]["reason"]
     smoke = json.loads((out / "smoke" / "smoke.json").read_text())
     assert smoke["generated_by"] == "transformers" and smoke["batch_invariant"] is None
     # the raw model's entropy at each step, both sides: positive and at most that of a uniform draw

@@ -43,7 +43,7 @@ def test_stages_that_run_the_engine_refuse_in_their_plan_a_family_it_lacks(tiny_
     from onboard.stage import engine_refusal
 
     ctx = pipeline.stage_context(tiny_models.build_engine_lacks(tmp_path / "qwen3_5"), None, {})
-    assert "Gated DeltaNet" in engine_refusal(ctx.checkpoint)
+    assert "VLM wrapper" in engine_refusal(ctx.checkpoint)
     assert engine_refusal(pipeline.stage_context(tiny_llama, None, {}).checkpoint) is None
     for name in ("speculator", "adapt", "smoke"):
         with pytest.raises(OnboardError, match=f"^{name}: the serving engine does not support"):

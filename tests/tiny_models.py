@@ -466,20 +466,40 @@ def build_unknown_arch(out_dir: Path) -> Path:
     return out_dir
 
 
+QWEN3_5_LINEAR = dict(
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=HEAD_DIM,
+    linear_value_head_dim=HEAD_DIM,
+)
+
+
 def build_qwen3_5_text(out_dir: Path, seed: int = 0) -> Path:
     """A whole tiny Qwen3.5 text model (`Qwen3_5ForCausalLM`): one Gated DeltaNet layer, then one
-    output-gated full-attention layer with partial rotary; a family the engine does not serve."""
-    config = transformers.Qwen3_5TextConfig(
-        **_common_kwargs(),
-        tie_word_embeddings=False,
-        layer_types=["linear_attention", "full_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=HEAD_DIM,
-        linear_value_head_dim=HEAD_DIM,
-    )
+    output-gated full-attention layer with partial rotary, and an MTP module under `mtp.*`."""
+    config = transformers.Qwen3_5TextConfig(**_common_kwargs(), tie_word_embeddings=False, **QWEN3_5_LINEAR)
     out_dir = Path(out_dir)
     _make_model("qwen3_5_text", seed, config).save_pretrained(out_dir)
+    build_tokenizer(out_dir)
+    _add_qwen_mtp(out_dir, seed)
+    return out_dir
+
+
+def build_qwen3_5_moe_text(out_dir: Path, seed: int = 0) -> Path:
+    """`build_qwen3_5_text` with Qwen3.5-MoE's experts and sigmoid-gated shared expert
+    (`Qwen3_5MoeForCausalLM`): a family the engine does not serve yet."""
+    config = transformers.Qwen3_5MoeTextConfig(
+        **_common_kwargs(),
+        tie_word_embeddings=False,
+        **QWEN3_5_LINEAR,
+        num_experts=NUM_EXPERTS,
+        num_experts_per_tok=NUM_EXPERTS_PER_TOK,
+        moe_intermediate_size=MOE_INTERMEDIATE_SIZE,
+        shared_expert_intermediate_size=MOE_INTERMEDIATE_SIZE,
+    )
+    out_dir = Path(out_dir)
+    _make_model("qwen3_5_moe_text", seed, config).save_pretrained(out_dir)
     build_tokenizer(out_dir)
     _add_qwen_mtp(out_dir, seed)
     return out_dir

@@ -26,3 +26,5 @@ class ForwardBatch:
     # Per sequence: its new tokens come after the whole prompt (a decode token plus draft
     # proposals to verify), so they are attended row by row, as decode steps attend.
     decoding: list[bool] = field(default_factory=list)
+    # Per sequence: its slot in the per-sequence state (`state_cache.py`), where the model has one.
+    state_slots: list[int | None] = field(default_factory=list)

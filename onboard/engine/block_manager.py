@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from onboard.engine.sequence import Sequence
+from onboard.engine.state_cache import StateSlots
 
 ROOT_HASH = 0  # parent hash of a sequence's first block
 
@@ -56,12 +57,16 @@ class _SeqState:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, *, hash_fn: HashFn = block_hash):
+    def __init__(
+        self, num_blocks: int, block_size: int, *, hash_fn: HashFn = block_hash, state_slots: StateSlots | None = None
+    ):
+        """`state_slots`: a model with per-sequence state (`state_cache.py`) gets a slot with its blocks."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.hash_fn = hash_fn
+        self.state_slots = state_slots
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block: dict[int, int] = {}
         self._free_uncached: deque[int] = deque(range(num_blocks))
@@ -103,6 +108,8 @@ class BlockManager:
         return seq.num_blocks - len(hits) + num_revived
 
     def can_allocate(self, seq: Sequence, *, reuse_prefix: bool = True) -> bool:
+        if self.state_slots is not None and not self.state_slots.num_free:
+            return False
         hits = self._lookup(seq)[1] if reuse_prefix else []
         return self._num_free_needed(seq, hits) <= self.num_free_blocks
 
@@ -119,6 +126,8 @@ class BlockManager:
             hits = []
         if self._num_free_needed(seq, hits) > self.num_free_blocks:
             raise RuntimeError(f"not enough free blocks for sequence {seq.seq_id}")
+        if self.state_slots is not None:
+            seq.state_slot = self.state_slots.take(seq.seq_id)
         # Take the hits off the free list before allocating fresh blocks, which could evict them.
         for block_id in hits:
             block = self.blocks[block_id]
@@ -197,6 +206,9 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         self._seqs.pop(seq.seq_id, None)
+        if self.state_slots is not None:
+            self.state_slots.give_back(seq.seq_id)
+            seq.state_slot = None
 
     # --- checks
 
@@ -204,6 +216,9 @@ class BlockManager:
         """Raise `BlockManagerCorrupted` unless the bookkeeping agrees with `live_seqs`, the only block holders."""
         errors: list[str] = []
         expected_refs = [0] * self.num_blocks
+        live_seqs = list(live_seqs)
+        if self.state_slots is not None:
+            errors += self.state_slots.check({seq.seq_id for seq in live_seqs})
         for seq in live_seqs:
             if len(set(seq.block_table)) != len(seq.block_table):
                 errors.append(f"sequence {seq.seq_id} holds a block twice: {seq.block_table}")

@@ -7,12 +7,14 @@ import torch
 
 from onboard.engine.attention import AttentionBackend, AttentionMetadata
 from onboard.engine.kv_cache import KVCache
+from onboard.engine.state_cache import StateCache
 
 
 @dataclass
 class StepContext:
     """One forward step, shared by all layers: the cache, the backend and its metadata, and the
-    per-step tables a model family computes once (RoPE cos/sin, keyed by the family)."""
+    per-step tables a model family computes once (RoPE cos/sin, keyed by the family; the state
+    layers' sequences and the draft positions' states they keep)."""
 
     cache: KVCache
     backend: AttentionBackend
@@ -23,6 +25,7 @@ class StepContext:
     tables: dict[str, Any] = field(default_factory=dict)
     # When a dict: layers record what a parity check compares (DSA: the selected key positions).
     trace: dict[int, list] | None = None
+    state: StateCache | None = None  # per-sequence state (linear attention), where the model has one
 
 
 @dataclass

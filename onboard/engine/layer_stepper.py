@@ -27,6 +27,7 @@ from onboard.engine.context import StepContext
 from onboard.engine.kv_cache import KVCache
 from onboard.engine.linear import EngineLinear
 from onboard.engine.models import model_class
+from onboard.engine.state_cache import StateCache
 from onboard.engine.weights import CheckpointWeights
 
 _BLOCK_SIZE = 16
@@ -83,8 +84,11 @@ class LayerStepper:
             logits_indices=torch.tensor([num_tokens - 1], device=self.device),
             block_size=_BLOCK_SIZE,
             decoding=[False],
+            state_slots=[0],
         )
-        step = StepContext(cache, self._backend, self._backend.build_metadata(batch), positions)
+        layout = self._model.state_layout  # linear attention: one slot, the sequence's
+        state = None if layout is None else StateCache(layout, 1, self.device)
+        step = StepContext(cache, self._backend, self._backend.build_metadata(batch), positions, state=state)
         self._model.prepare(batch, step)
         return step
 

@@ -19,6 +19,7 @@ from onboard.engine.scheduler import ScheduledSeq, Scheduler
 from onboard.engine.sequence import Sequence, SequenceStatus
 from onboard.engine.spec_decode import Speculator
 from onboard.engine.spec_step import speculative_step
+from onboard.engine.state_cache import StateSlots
 from onboard.engine.stop import check_stop, stop_holdback
 from onboard.models import inspect_checkpoint, load_tokenizer
 
@@ -34,7 +35,9 @@ class LLMEngine:
         self.path = Path(path)
         self.tokenizer = load_tokenizer(inspect_checkpoint(self.path))
         self._runner = ModelRunner(self.path, self.config, dtype=dtype)
-        self._block_manager = BlockManager(self.config.num_blocks, self.config.block_size)
+        state = self._runner.state
+        slots = None if state is None else StateSlots(state.num_slots)
+        self._block_manager = BlockManager(self.config.num_blocks, self.config.block_size, state_slots=slots)
         self._scheduler = Scheduler(self.config, self._block_manager)
         self._sampler = Sampler()
         self.eos_ids = self._eos_ids()
@@ -129,6 +132,20 @@ class LLMEngine:
             "prefix_cache_hits": bm.prefix_hits,
             "num_preemptions": scheduler.num_preemptions,
             "kv_bytes_per_token": self.kv_layout.bytes_per_token(),
+            "prefix_caching": scheduler.prefix_caching,
+            **self._state_stats(),
+        }
+
+    def _state_stats(self) -> dict[str, Any]:
+        """The per-sequence state pool's counters (linear attention), where the model has one."""
+        slots = self._block_manager.state_slots
+        if slots is None:
+            return {}
+        layout = self._runner.state_layout
+        return {
+            "state_bytes_per_sequence": layout.bytes_per_sequence(),
+            "state_slots": slots.num_slots,
+            "state_slots_used": slots.num_slots - slots.num_free,
         }
 
     def _eos_ids(self) -> set[int]:

@@ -14,6 +14,7 @@ from onboard.engine.kernel_measure import choose_kernels
 from onboard.engine.kv_cache import KVCache
 from onboard.engine.models import model_class
 from onboard.engine.scheduler import ScheduledSeq
+from onboard.engine.state_cache import StateCache
 from onboard.engine.weights import CheckpointWeights
 
 
@@ -55,6 +56,13 @@ class ModelRunner:
         self.backend = attention_backend(self.device, config.attention_backend, config.numerics, config.batch_invariant)
         self.kv_layout = self.model.kv_layout
         self.cache = KVCache(self.kv_layout, config.num_blocks, config.block_size, self.device)
+        # Linear attention's per-sequence state: a slot per running sequence (`state_cache.py`).
+        self.state_layout = self.model.state_layout
+        self.state = None
+        if self.state_layout is not None:
+            self.state = StateCache(self.state_layout, config.max_num_seqs, self.device)
+        # seq_id -> {layer: [(conv, recurrent) after each verified position]} of the last step
+        self.state_checkpoints: dict[int, dict[int, list]] = {}
         self.vocab_size = self.hf_config.get_text_config().vocab_size
 
     @property
@@ -97,6 +105,7 @@ class ModelRunner:
             logits_indices=as_tensor(logits_indices),
             block_size=block_size,
             decoding=decoding,
+            state_slots=[item.seq.state_slot for item in scheduled],
         )
 
     def context(
@@ -114,6 +123,7 @@ class ModelRunner:
             aux_layers=aux_layers,
             numerics=numerics or self.config.numerics,
             trace=trace,
+            state=self.state,
         )
 
     @torch.inference_mode()
@@ -166,4 +176,21 @@ class ModelRunner:
         numerics: str | None = None,
     ):
         batch = self.prepare(scheduled)
-        return batch, self.model.forward(batch, self.context(batch, aux_layers, trace, numerics))
+        ctx = self.context(batch, aux_layers, trace, numerics)
+        if self.state is not None and any(item.num_proposals for item in scheduled):
+            ctx.tables["state_checkpoints"] = {}
+        out = self.model.forward(batch, ctx)
+        for index, kept in ctx.tables.get("state_checkpoints", {}).items():
+            self.state_checkpoints[scheduled[index].seq.seq_id] = kept
+        return batch, out
+
+    def keep_state(self, seq, num_tokens: int) -> None:
+        """After verifying draft tokens: `seq`'s state as it was after the first `num_tokens` of
+        the step's tokens (its last emitted token and the accepted proposals)."""
+        kept = self.state_checkpoints.pop(seq.seq_id, None)
+        if kept is None:
+            return
+        for layer, positions in kept.items():
+            conv, recurrent = positions[num_tokens - 1]
+            self.state.get("conv", layer)[seq.state_slot].copy_(conv[0])
+            self.state.get("recurrent", layer)[seq.state_slot].copy_(recurrent[0])

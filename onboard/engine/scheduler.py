@@ -8,7 +8,8 @@ queue to recompute prompt and generated tokens.  In exact numerics a waiting pro
 a step is admitted only whole, so its prefill has the rows it would have alone.
 
 A sequence that scores its prompt (prompt logprobs) never reuses cached prefix blocks, as in vLLM:
-positions served from the cache would have no logits.
+positions served from the cache would have no logits.  Nor does any sequence of a model with
+per-sequence state (linear attention): its state at the end of a cached prefix is not kept.
 """
 
 import bisect
@@ -118,8 +119,14 @@ class Scheduler:
         remaining = len(seq) - seq.num_computed_tokens
         return self.config.numerics == "exact" and budget < remaining <= self.config.max_num_batched_tokens
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Off for a model with per-sequence state: a cached prefix would need the state at its
+        end, which the engine does not snapshot (`state_cache.py`)."""
+        return self.config.enable_prefix_caching and self.block_manager.state_slots is None
+
     def _reuse_prefix(self, seq: Sequence) -> bool:
-        return self.config.enable_prefix_caching and not seq.scores_prompt
+        return self.prefix_caching and not seq.scores_prompt
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.deallocate(seq)

@@ -31,6 +31,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at admission
     block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # its per-sequence state's slot (state_cache.py), where the model has one
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     arrival: int = field(default_factory=lambda: next(_ids))
 

@@ -58,6 +58,7 @@ def speculative_step(engine, scheduled: list[ScheduledSeq]) -> list[RequestOutpu
         if seq.seq_id in proposals and not seq.is_finished:
             outputs.append(_commit(engine, item, logits[spec_rows[seq.seq_id]], proposals[seq.seq_id]))
 
+    engine._runner.state_checkpoints.clear()  # a sequence that ended before its verdict left its own
     for item, start, first_row in zip(scheduled, starts, offsets, strict=False):
         seq = item.seq
         if seq.is_finished:
@@ -76,6 +77,8 @@ def _commit(engine, item: ScheduledSeq, raw: torch.Tensor, proposal) -> RequestO
     history = (seq.token_ids[: seq.num_prompt_tokens], seq.completion_token_ids)
     verdict = engine.speculator.verify(raw, proposal, request.params, history, request.generator)
     seq.num_computed_tokens = base + 1 + verdict.accepted
+    if seq.state_slot is not None:  # linear attention: the state after the last accepted token
+        engine._runner.keep_state(seq, 1 + verdict.accepted)
     n = len(verdict.tokens)
     entries = [None] * n
     if request.params.logprobs is not None:

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from onboard.models.compressed import fill_compressed
+from onboard.models.mtp import mtp_prefixes
 
 
 def is_quantized_moe(config: dict) -> bool:
@@ -38,5 +39,8 @@ def load_quantized_moe(path: Path, dtype: torch.dtype, trust_remote_code: bool) 
     state = {}
     for file in sorted(path.glob("*.safetensors")):
         state.update(load_file(file))
+    # MTP layers the artifact carries (quantize/mtp_carry.py) are no part of transformers' model.
+    mtp = tuple(mtp_prefixes(json.loads((path / "config.json").read_text()), state))
+    state = {name: tensor for name, tensor in state.items() if not (mtp and name.startswith(mtp))}
     fill_compressed(model, quantization, state, f"{path} (linearized)")
     return model

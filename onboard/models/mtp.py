@@ -83,3 +83,15 @@ def has_mtp_layers(directory: Path, config: dict | None = None) -> bool:
             return False
         config = json.loads(path.read_text())
     return bool(declared_mtp_layers(config)) and bool(mtp_entries(directory, config))
+
+
+def engine_serves_mtp(directory: Path, config: dict | None = None) -> bool:
+    """The checkpoint has MTP layers the engine serves as a draft: DeepSeek's layout, which
+    transformers' `MtpModel` loads. Qwen3.5's `mtp.` module is kept in the artifact and served
+    by vLLM, not yet by the engine."""
+    if config is None:
+        path = Path(directory) / "config.json"
+        if not path.is_file():
+            return False
+        config = json.loads(path.read_text())
+    return has_mtp_layers(directory, config) and not _module_layout(config, None)

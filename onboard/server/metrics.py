@@ -33,6 +33,11 @@ class EngineStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     kv_bytes_per_token: int = 0  # the model's KV layout, all layers and cached tensors
+    prefix_caching: bool = True  # off for a model with per-sequence state
+    # Linear attention's per-sequence state pool (0 for a model without one).
+    state_bytes_per_sequence: int = 0
+    state_slots: int = 0
+    state_slots_used: int = 0
     num_in_flight: int = 0  # requests the server still streams to
     # Speculative decoding (vLLM's spec_decode_* counters); None when serving without a draft.
     spec_num_drafts: int | None = None
@@ -157,6 +162,18 @@ class Metrics:
             ("kv_cache_free_blocks", "Free KV-cache blocks.", e.num_free_blocks),
             ("kv_cache_total_blocks", "All KV-cache blocks.", e.num_blocks),
             ("kv_cache_bytes_per_token", "KV-cache bytes one token takes, all layers.", e.kv_bytes_per_token),
+            (
+                "prefix_caching_enabled",
+                "1 when cached prefixes are reused (0: off, or a stateful model).",
+                int(e.prefix_caching),
+            ),
+            (
+                "state_bytes_per_sequence",
+                "Per-sequence state (linear attention) one sequence holds.",
+                e.state_bytes_per_sequence,
+            ),
+            ("state_slots_total", "Per-sequence state slots (0: the model has no state).", e.state_slots),
+            ("state_slots_used", "Per-sequence state slots held by running sequences.", e.state_slots_used),
             (
                 "prefix_cache_hit_rate",
                 "Prompt tokens found in the prefix cache / prompt tokens looked up.",

@@ -451,13 +451,19 @@ def test_what_the_engine_lacks_is_named_for_families_transformers_knows():
     from types import SimpleNamespace
 
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
     from onboard.engine.models import LACKING
 
     assert set(LACKING) <= set(CONFIG_MAPPING_NAMES)
     for model_type, lacks in LACKING.items():
-        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, f"{model_type}ForConditionalGeneration")
+        # a VLM checkpoint names its wrapper, a text-only one its causal LM
+        arch = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type) or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(
+            model_type, f"{model_type}ForConditionalGeneration"
+        )
         assert arch not in MODEL_REGISTRY, model_type
         with pytest.raises(UnsupportedArchitecture) as info:
             model_class(SimpleNamespace(architectures=[arch], model_type=model_type))

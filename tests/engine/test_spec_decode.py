@@ -8,30 +8,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig
+from speculation import OracleSpeculator, seeded_draft
 
 from onboard.engine.config import EngineConfig
 from onboard.engine.grammar import GrammarSpec
 from onboard.engine.llm_engine import LLMEngine
 from onboard.engine.sampler import SamplingParams
-from onboard.engine.spec_decode import Speculator
 from onboard.models import inspect_checkpoint, load_tokenizer
-from onboard.speculator.draft import Eagle3Draft, draft_layer_config
 
 ENGINE = {"block_size": 4, "num_blocks": 256, "max_model_len": 256, "enable_prefix_caching": False}
 
 
 def make_engine(path: Path, dtype: torch.dtype = torch.float32, **overrides) -> LLMEngine:
     return LLMEngine(path, EngineConfig(**{**ENGINE, **overrides}), dtype=dtype)
-
-
-def seeded_draft(path: Path, engine: LLMEngine, vocab: torch.Tensor, seed: int) -> Eagle3Draft:
-    torch.manual_seed(seed)
-    draft = Eagle3Draft(draft_layer_config(AutoConfig.from_pretrained(path)), len(vocab), [0, 1])
-    draft.set_vocab(vocab)
-    target = engine.target_tensors()
-    draft.init_from_target(target["embed_tokens"], target["lm_head"], target["norm"])
-    return draft.eval()
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
@@ -82,22 +71,6 @@ def test_speculative_greedy_equals_plain_greedy(arch: str, k: int, dtype: torch.
     per_position = stats.accepted_per_position
     assert len(per_position) == k and sum(per_position) == stats.num_accepted_tokens
     assert all(a >= b for a, b in itertools.pairwise(per_position))  # position j+1 needs j accepted
-
-
-class OracleSpeculator(Speculator):
-    """Proposes the known greedy continuation, wrong at every position divisible by 3."""
-
-    def __init__(self, draft: Eagle3Draft, k: int, known: list[int]):
-        super().__init__(draft, k)
-        self.known = known
-
-    def _rows(self, tokens, hidden, first_position, cache):
-        logits, hidden = super()._rows(tokens, hidden, first_position, cache)
-        position = first_position + len(tokens)  # of the token the last row predicts
-        token = self.known[position] if position < len(self.known) else 0
-        forced = torch.full_like(logits, -1e9)
-        forced[token + 1 if position % 3 == 0 else token] = 0.0  # the full vocabulary: index == id
-        return forced, hidden
 
 
 @pytest.mark.parametrize("k", [2, 4])

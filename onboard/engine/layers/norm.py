@@ -1,4 +1,4 @@
-"""RMSNorm as transformers' llama and deepseek families compute it."""
+"""RMSNorm as transformers computes it: the llama and deepseek families, and Qwen3.5's zero-centred and gated forms."""
 
 import torch
 
@@ -20,3 +20,29 @@ class RMSNorm(torch.nn.Module):
         variance = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(variance + self.eps)
         return self.weight * h.to(dtype)
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """Qwen3.5's and Qwen3-Next's RMSNorm: the weight is stored centred on zero and multiplied as
+    `1 + w`, in float32 before the cast back (transformers' `Qwen3_5RMSNorm`, op for op)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__(weight, eps)
+        self.scale = torch.nn.Parameter(1.0 + weight.float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * self.scale).type_as(x)
+
+
+class GatedRMSNorm(RMSNorm):
+    """The norm that closes a Gated DeltaNet head: `w * norm(x)` in the input dtype, times
+    `silu(gate)` in float32 (transformers' `Qwen3_5RMSNormGated`, op for op)."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * torch.nn.functional.silu(gate.to(torch.float32))).to(dtype)

@@ -11,6 +11,7 @@ from onboard.engine.models.deepseek_v3 import DeepseekV3Model
 from onboard.engine.models.glm4_moe import Glm4MoeModel
 from onboard.engine.models.lacking import LACKING
 from onboard.engine.models.llama import LlamaModel
+from onboard.engine.models.qwen3_5 import Qwen3_5Model
 from onboard.engine.models.qwen3_moe import Qwen3MoeModel
 from onboard.errors import OnboardError
 
@@ -25,6 +26,7 @@ MODEL_REGISTRY: dict[str, type[DecoderModel]] = {
     "GlmMoeDsaForCausalLM": DeepseekV3Model,
     "Glm4MoeLiteForCausalLM": DeepseekV3Model,  # GLM-4.7-Flash: DeepSeek-V3's MLA and MoE
     "Glm4MoeForCausalLM": Glm4MoeModel,
+    "Qwen3_5ForCausalLM": Qwen3_5Model,  # the text model; Gated DeltaNet with a per-sequence state
 }
 
 GUIDE = "docs/adding-an-architecture.md"
@@ -78,6 +80,7 @@ __all__ = [
     "Glm4MoeModel",
     "LlamaModel",
     "Qwen3MoeModel",
+    "Qwen3_5Model",
     "UnsupportedArchitecture",
     "engine_model_name",
     "kv_layout_for",

@@ -24,17 +24,26 @@ from onboard.engine.kv_cache import KVLayout
 from onboard.engine.layers.norm import RMSNorm
 from onboard.engine.layers.weight_source import WeightSource
 from onboard.engine.linear import EngineLinear
+from onboard.engine.state_cache import StateLayout
 
 
 class DecoderLayer(torch.nn.Module):
     """x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: Any, weights: WeightSource, prefix: str, attn: torch.nn.Module, mlp: torch.nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        weights: WeightSource,
+        prefix: str,
+        attn: torch.nn.Module,
+        mlp: torch.nn.Module,
+        norm: type[RMSNorm] = RMSNorm,
+    ):
         super().__init__()
         eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(weights.tensor(f"{prefix}.input_layernorm.weight"), eps)
+        self.input_layernorm = norm(weights.tensor(f"{prefix}.input_layernorm.weight"), eps)
         self.self_attn = attn
-        self.post_attention_layernorm = RMSNorm(weights.tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
+        self.post_attention_layernorm = norm(weights.tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -46,6 +55,8 @@ class DecoderModel(torch.nn.Module):
     """`layer_ids=()` builds the model without decoder layers: embeddings, final norm and head only,
     the layers then built one at a time with `make_layer` (layerwise parity)."""
 
+    norm_class: type[RMSNorm] = RMSNorm  # the final norm's (Qwen3.5: zero-centred)
+
     def __init__(self, config: Any, weights: WeightSource, layer_ids: tuple[int, ...] | None = None):
         super().__init__()
         self.config = config
@@ -54,7 +65,7 @@ class DecoderModel(torch.nn.Module):
         self.device = self.embed_tokens.device
         ids = range(config.num_hidden_layers) if layer_ids is None else layer_ids
         self.layers = torch.nn.ModuleList(self.make_layer(config, weights, f"model.layers.{i}", i) for i in ids)
-        self.norm = RMSNorm(weights.tensor("model.norm.weight"), config.rms_norm_eps)
+        self.norm = self.norm_class(weights.tensor("model.norm.weight"), config.rms_norm_eps)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head = EngineLinear(self.embed_tokens, name="lm_head")
         else:
@@ -71,6 +82,16 @@ class DecoderModel(torch.nn.Module):
     @property
     def kv_layout(self) -> KVLayout:
         return self.layout_for(self.config, self.dtype)
+
+    @classmethod
+    def state_layout_for(cls, config: Any, dtype: torch.dtype) -> StateLayout | None:
+        """What the family keeps per sequence besides its per-token cache (linear attention's
+        state); None for a family with attention layers only."""
+        return None
+
+    @property
+    def state_layout(self) -> StateLayout | None:
+        return self.state_layout_for(self.config, self.dtype)
 
     def prepare(self, batch: ForwardBatch, ctx: StepContext) -> None:
         """Per-step tables the layers share (into `ctx.tables`)."""

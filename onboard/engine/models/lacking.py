@@ -6,17 +6,14 @@ An entry is removed when its family is added to `MODEL_REGISTRY` (a test keeps t
 """
 
 LACKING: dict[str, str] = {
-    "qwen3_5": "Gated DeltaNet linear attention with a per-sequence recurrent state, partial rotary, "
-    "output-gated attention, zero-centred norms, the VLM wrapper and MTP under mtp.*",
-    "qwen3_5_moe": "Gated DeltaNet linear attention with a per-sequence recurrent state, partial rotary, "
-    "output-gated attention, zero-centred norms, a sigmoid-gated shared expert, the VLM wrapper and MTP under mtp.*",
-    # the text models alone (`Qwen3_5ForCausalLM`), as a text-only checkpoint stores them
-    "qwen3_5_text": "Gated DeltaNet linear attention with a per-sequence recurrent state, partial rotary, "
-    "output-gated attention and zero-centred norms",
-    "qwen3_5_moe_text": "Gated DeltaNet linear attention with a per-sequence recurrent state, partial rotary, "
-    "output-gated attention, zero-centred norms and a sigmoid-gated shared expert",
-    "qwen3_next": "Gated DeltaNet linear attention with a per-sequence recurrent state, partial rotary, "
-    "output-gated attention, zero-centred norms and a sigmoid-gated shared expert",
+    "qwen3_5": "the VLM wrapper (its text model, Qwen3_5ForCausalLM, is served; the checkpoint's text sits "
+    "under model.language_model beside the vision tower)",
+    "qwen3_5_moe": "Qwen3.5-MoE's MoE (routed experts and a sigmoid-gated shared expert) and the VLM wrapper",
+    # the MoE text model alone (`Qwen3_5MoeForCausalLM`), as a text-only checkpoint stores it
+    "qwen3_5_moe_text": "Qwen3.5-MoE's MoE: routed experts and a sigmoid-gated shared expert "
+    "(its Gated DeltaNet and attention are served)",
+    "qwen3_next": "the fused in_proj_qkvz/in_proj_ba weights of its Gated DeltaNet, and routed experts with a "
+    "sigmoid-gated shared expert",
     "glm5_next": "KDA linear attention with a per-sequence recurrent state, NoPE MLA, a DSA indexer over pooled "
     "keys, hyper-connections, clamped SwiGLU experts and the VLM wrapper",
     "kimi_linear": "KDA linear attention with a per-sequence recurrent state and NoPE MLA",
