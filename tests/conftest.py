@@ -84,6 +84,12 @@ def tiny_qwen3_5(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_5_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny_qwen3_5` with Qwen3.5-MoE's experts and sigmoid-gated shared expert. Shared: do not modify."""
+    return build_once(tmp_path_factory, "tiny_qwen3_5_moe", tiny_models.build_qwen3_5_moe_text)
+
+
+@pytest.fixture(scope="session")
 def tiny_mtp_deepseek_v3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny_deepseek_v3 with an MTP layer (model.layers.3.*). Shared: do not modify."""
     return build_once(

@@ -488,7 +488,7 @@ def build_qwen3_5_text(out_dir: Path, seed: int = 0) -> Path:
 
 def build_qwen3_5_moe_text(out_dir: Path, seed: int = 0) -> Path:
     """`build_qwen3_5_text` with Qwen3.5-MoE's experts and sigmoid-gated shared expert
-    (`Qwen3_5MoeForCausalLM`): a family the engine does not serve yet."""
+    (`Qwen3_5MoeForCausalLM`), and the same MTP module."""
     config = transformers.Qwen3_5MoeTextConfig(
         **_common_kwargs(),
         tie_word_embeddings=False,
@@ -502,6 +502,16 @@ def build_qwen3_5_moe_text(out_dir: Path, seed: int = 0) -> Path:
     _make_model("qwen3_5_moe_text", seed, config).save_pretrained(out_dir)
     build_tokenizer(out_dir)
     _add_qwen_mtp(out_dir, seed)
+    return out_dir
+
+
+def build_gemma3_text(out_dir: Path, seed: int = 0) -> Path:
+    """A tiny Gemma 3 text model (`Gemma3ForCausalLM`: sandwich norms, zero-centred norms, scaled
+    embeddings): a family the engine does not serve."""
+    config = transformers.Gemma3TextConfig(**_common_kwargs(), sliding_window=16, tie_word_embeddings=True)
+    out_dir = Path(out_dir)
+    _make_model("gemma3_text", seed, config).save_pretrained(out_dir)
+    build_tokenizer(out_dir)
     return out_dir
 
 

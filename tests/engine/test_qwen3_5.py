@@ -1,4 +1,4 @@
-"""Qwen3.5 in the engine (Gated DeltaNet over the per-sequence state pool, output-gated attention
+"""Qwen3.5 and Qwen3.5-MoE in the engine (Gated DeltaNet over the per-sequence state pool, output-gated attention
 with partial RoPE, zero-centred norms) against transformers' torch path, in exact numerics:
 prefill bit for bit, decode, prefill chunked across the delta rule's 64-token chunks and across
 steps, preemption, rolled-back draft tokens, fast numerics, and every state slot given back."""
@@ -29,9 +29,15 @@ def greedy(**kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, **kwargs)
 
 
+@pytest.fixture(scope="module", params=["tiny_qwen3_5", "tiny_qwen3_5_moe"])
+def checkpoint(request: pytest.FixtureRequest) -> Path:
+    """The dense text model, and the MoE one (routed experts, a sigmoid-gated shared expert)."""
+    return request.getfixturevalue(request.param)
+
+
 @pytest.fixture(scope="module")
-def hf(tiny_qwen3_5: Path):
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3_5, dtype=torch.bfloat16).eval()
+def hf(checkpoint: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +66,8 @@ def drained(llm: LLMEngine) -> bool:
     )
 
 
-def test_prefill_is_transformers_bit_for_bit(tiny_qwen3_5: Path, hf) -> None:
-    llm = engine(tiny_qwen3_5)
+def test_prefill_is_transformers_bit_for_bit(checkpoint: Path, hf) -> None:
+    llm = engine(checkpoint)
     for prompt in prompts():
         with torch.no_grad():
             want = hf(torch.tensor([prompt])).logits[0].float()
@@ -72,11 +78,11 @@ def test_prefill_is_transformers_bit_for_bit(tiny_qwen3_5: Path, hf) -> None:
     assert stats["kv_bytes_per_token"] == 2 * 2 * 16 * 2  # K and V of the one full-attention layer
 
 
-def test_decode_and_chunked_prefill_follow_transformers(tiny_qwen3_5: Path, hf, reference) -> None:
+def test_decode_and_chunked_prefill_follow_transformers(checkpoint: Path, hf, reference) -> None:
     """Prompts prefilled in 48-token steps (the state carried between them) and decoded: the
     tokens transformers gives, and the first token's log-probabilities those of transformers
     prefilling in the same chunks through its cache."""
-    llm = engine(tiny_qwen3_5, max_num_batched_tokens=48)
+    llm = engine(checkpoint, max_num_batched_tokens=48)
     outs = llm.generate(prompts(), greedy())
     assert [o.token_ids for o in outs] == reference
     prompt = prompts()[-1]
@@ -92,9 +98,9 @@ def test_decode_and_chunked_prefill_follow_transformers(tiny_qwen3_5: Path, hf, 
     assert drained(llm)
 
 
-def test_preempted_sequences_recompute_their_state(tiny_qwen3_5: Path, reference) -> None:
+def test_preempted_sequences_recompute_their_state(checkpoint: Path, reference) -> None:
     """Three prompts admitted in 24 of 28 blocks outgrow them while decoding."""
-    llm = engine(tiny_qwen3_5, num_blocks=28, max_model_len=112)
+    llm = engine(checkpoint, num_blocks=28, max_model_len=112)
     outs = llm.generate(prompts()[:3], greedy())
     assert llm.stats()["num_preemptions"] > 0
     assert [o.token_ids for o in outs] == reference[:3]
@@ -102,15 +108,15 @@ def test_preempted_sequences_recompute_their_state(tiny_qwen3_5: Path, reference
 
 
 @pytest.mark.parametrize("k", [2, 4])
-def test_rejected_draft_tokens_roll_the_state_back(tiny_qwen3_5: Path, k: int) -> None:
+def test_rejected_draft_tokens_roll_the_state_back(checkpoint: Path, k: int) -> None:
     """Every verification accepts some proposals and rejects the rest: the state kept is the one
     after the last accepted token, so the tokens are plain decoding's (float32: a k + 1-row GEMM
     rounds as a 1-row one)."""
-    llm = LLMEngine(tiny_qwen3_5, EngineConfig(**ENGINE), dtype=torch.float32)
+    llm = LLMEngine(checkpoint, EngineConfig(**ENGINE), dtype=torch.float32)
     prompt = prompts()[2]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     (plain,) = llm.generate([prompt], params)
-    draft = seeded_draft(tiny_qwen3_5, llm, torch.arange(llm.vocab_size), seed=0)
+    draft = seeded_draft(checkpoint, llm, torch.arange(llm.vocab_size), seed=0)
     llm.speculator = OracleSpeculator(draft, k, prompt + plain.token_ids)
     (spec,) = llm.generate([prompt], params)
     assert spec.token_ids == plain.token_ids
@@ -119,8 +125,8 @@ def test_rejected_draft_tokens_roll_the_state_back(tiny_qwen3_5: Path, k: int) -
     assert drained(llm) and llm._runner.state_checkpoints == {}
 
 
-def test_fast_numerics_within_the_near_tie_rule(tiny_qwen3_5: Path, hf, reference) -> None:
-    llm = engine(tiny_qwen3_5, numerics="fast", max_num_batched_tokens=64)
+def test_fast_numerics_within_the_near_tie_rule(checkpoint: Path, hf, reference) -> None:
+    llm = engine(checkpoint, numerics="fast", max_num_batched_tokens=64)
     outs = llm.generate(prompts(), greedy(logprobs=5))
     for out, want, prompt in zip(outs, reference, prompts(), strict=True):
         with torch.no_grad():
@@ -131,10 +137,10 @@ def test_fast_numerics_within_the_near_tie_rule(tiny_qwen3_5: Path, hf, referenc
     assert drained(llm)
 
 
-def test_state_slots_are_given_back_over_a_thousand_requests(tiny_qwen3_5: Path) -> None:
+def test_state_slots_are_given_back_over_a_thousand_requests(checkpoint: Path) -> None:
     """Finished, aborted and preempted sequences all give their slot back; 8 slots serve 1,000
     requests (fast numerics: one forward per step)."""
-    llm = engine(tiny_qwen3_5, numerics="fast", max_num_seqs=8, num_blocks=64, max_model_len=64)
+    llm = engine(checkpoint, numerics="fast", max_num_seqs=8, num_blocks=64, max_model_len=64)
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=0)
     for i in range(1000):

@@ -148,3 +148,28 @@ def test_the_gate_checks_the_mtp_layers_are_still_in_the_artifact(artifacts, tmp
         shard.unlink()  # what re-saving the artifact through transformers does
     check = next(c for c in evaluate_gate(stripped)["checks"] if c["name"] == "mtp_kept")
     assert check["value"] is False and not check["passed"]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_qwens_mtp_module_is_kept_and_served_without_it(arch: str, quantized_run, request) -> None:
+    """Qwen3.5's layout (`mtp.*`, counted by `mtp_num_hidden_layers`): kept byte for byte, named in
+    the ignore list, checked by the gate; the engine serves the artifact's text model, and a MoE
+    artifact (experts linearized) loads in transformers without the MTP tensors."""
+    from onboard.gate import evaluate_gate
+    from onboard.models import inspect_checkpoint, load_model
+    from onboard.models.mtp import engine_serves_mtp
+
+    source = request.getfixturevalue(f"tiny_{arch}")
+    root = quantized_run(source, settings(source, "nvfp4"))
+    artifact = root / "artifact"
+    wanted, stored = mtp_entries(source), safetensors_entries(artifact)
+    assert len(wanted) == 5 and all(stored[name].read() == entry.read() for name, entry in wanted.items())
+    config = json.loads((artifact / "config.json").read_text())
+    assert config["mtp_num_hidden_layers"] == 1 and r"re:mtp\." in config["quantization_config"]["ignore"]
+    assert next(c for c in evaluate_gate(root)["checks"] if c["name"] == "mtp_kept")["passed"]
+    assert not engine_serves_mtp(artifact)  # kept for vLLM; the engine's draft speaks DeepSeek's layout
+    llm = LLMEngine(artifact, EngineConfig(block_size=4, num_blocks=64, max_model_len=128))
+    (out,) = llm.generate([list(range(5, 25))], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    reference = load_model(inspect_checkpoint(artifact), torch.bfloat16)
+    want = reference.generate(torch.tensor([list(range(5, 25))]), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert out.token_ids == want[0, 20:].tolist()

@@ -11,7 +11,7 @@ from onboard.engine.models.deepseek_v3 import DeepseekV3Model
 from onboard.engine.models.glm4_moe import Glm4MoeModel
 from onboard.engine.models.lacking import LACKING
 from onboard.engine.models.llama import LlamaModel
-from onboard.engine.models.qwen3_5 import Qwen3_5Model
+from onboard.engine.models.qwen3_5 import Qwen3_5Model, Qwen3_5MoeModel
 from onboard.engine.models.qwen3_moe import Qwen3MoeModel
 from onboard.errors import OnboardError
 
@@ -27,6 +27,7 @@ MODEL_REGISTRY: dict[str, type[DecoderModel]] = {
     "Glm4MoeLiteForCausalLM": DeepseekV3Model,  # GLM-4.7-Flash: DeepSeek-V3's MLA and MoE
     "Glm4MoeForCausalLM": Glm4MoeModel,
     "Qwen3_5ForCausalLM": Qwen3_5Model,  # the text model; Gated DeltaNet with a per-sequence state
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeModel,
 }
 
 GUIDE = "docs/adding-an-architecture.md"
@@ -81,6 +82,7 @@ __all__ = [
     "LlamaModel",
     "Qwen3MoeModel",
     "Qwen3_5Model",
+    "Qwen3_5MoeModel",
     "UnsupportedArchitecture",
     "engine_model_name",
     "kv_layout_for",

@@ -8,10 +8,7 @@ An entry is removed when its family is added to `MODEL_REGISTRY` (a test keeps t
 LACKING: dict[str, str] = {
     "qwen3_5": "the VLM wrapper (its text model, Qwen3_5ForCausalLM, is served; the checkpoint's text sits "
     "under model.language_model beside the vision tower)",
-    "qwen3_5_moe": "Qwen3.5-MoE's MoE (routed experts and a sigmoid-gated shared expert) and the VLM wrapper",
-    # the MoE text model alone (`Qwen3_5MoeForCausalLM`), as a text-only checkpoint stores it
-    "qwen3_5_moe_text": "Qwen3.5-MoE's MoE: routed experts and a sigmoid-gated shared expert "
-    "(its Gated DeltaNet and attention are served)",
+    "qwen3_5_moe": "the VLM wrapper (its text model, Qwen3_5MoeForCausalLM, is served)",
     "qwen3_next": "the fused in_proj_qkvz/in_proj_ba weights of its Gated DeltaNet, and routed experts with a "
     "sigmoid-gated shared expert",
     "glm5_next": "KDA linear attention with a per-sequence recurrent state, NoPE MLA, a DSA indexer over pooled "
@@ -30,4 +27,6 @@ LACKING: dict[str, str] = {
     "longcat_flash": "dual MLA sub-layers with a shortcut MoE per block, zero experts and MTP under model.mtp.*",
     "llama4": "chunked attention, NoPE layers with temperature tuning, L2 q/k norms and the VLM wrapper",
     "gemma3": "sandwich norms, zero-centred norms, embedding scaling and the VLM wrapper",
+    # the text model alone (`Gemma3ForCausalLM`), as the 1B checkpoint stores it
+    "gemma3_text": "sandwich norms, zero-centred norms, embedding scaling and a second RoPE base for local layers",
 }

@@ -22,7 +22,7 @@ class Qwen3MoeSparseBlock(torch.nn.Module):
         super().__init__()
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
-        self.norm_topk_prob = config.norm_topk_prob
+        self.norm_topk_prob = getattr(config, "norm_topk_prob", True)  # Qwen3.5-MoE always renormalises
         self.eager = eager
         self.gate = weights.linear(f"{prefix}.gate")
         self.experts = torch.nn.ModuleList(
