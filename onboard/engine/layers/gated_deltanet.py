@@ -76,8 +76,14 @@ class GatedDeltaNet(torch.nn.Module):
         conv_states = ctx.state.get("conv", self.layer_idx)
         states = ctx.state.get("recurrent", self.layer_idx)
         checkpoints = ctx.tables.get("state_checkpoints")
+        seqs = ctx.tables["state_seqs"]
+        decoding = [seq for seq in seqs if seq.continues and seq.end - seq.start == 1]
+        if len(decoding) == len(seqs) > 1:  # a decode step: every sequence's token in one batch
+            core = self._decode_batch(qkv, b, a, conv_states, states, [seq.slot for seq in seqs])
+            out = self.norm.forward(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+            return self.out_proj.forward(out.reshape(x.shape[0], self.value_dim))
         parts = []
-        for seq in ctx.tables["state_seqs"]:
+        for seq in seqs:
             rows = slice(seq.start, seq.end)
             conv_state, state = conv_states[seq.slot : seq.slot + 1], states[seq.slot : seq.slot + 1]
             if seq.verifying:  # as that many decode steps, each position's state kept
@@ -99,13 +105,13 @@ class GatedDeltaNet(torch.nn.Module):
     def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return b.sigmoid(), -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
-    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`[1, n, conv dim]` after the conv -> q, k `[1, n, value heads, key dim]`, v."""
+    def _heads(self, mixed: torch.Tensor, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`[batch, n, conv dim]` after the conv -> q, k `[batch, n, value heads, key dim]`, v."""
         n = mixed.shape[1]
         query, key, value = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        query = query.reshape(1, n, -1, self.head_k_dim)
-        key = key.reshape(1, n, -1, self.head_k_dim)
-        value = value.reshape(1, n, -1, self.head_v_dim)
+        query = query.reshape(batch, n, -1, self.head_k_dim)
+        key = key.reshape(batch, n, -1, self.head_k_dim)
+        value = value.reshape(batch, n, -1, self.head_v_dim)
         if self.num_v_heads // self.num_k_heads > 1:
             query = query.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
             key = key.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
@@ -134,6 +140,28 @@ class GatedDeltaNet(torch.nn.Module):
         )
         state.copy_(final)
         return out[0]
+
+    def _decode_batch(self, qkv, b, a, conv_states, states, slots: list[int]) -> torch.Tensor:
+        """One decode token of each of B sequences, batched: the conv and the rule compute each
+        batch row on its own (no reduction across rows), so a row's bits are its lone decode's."""
+        index = torch.tensor(slots, dtype=torch.long, device=qkv.device)
+        conv_state, state = conv_states.index_select(0, index), states.index_select(0, index)
+        mixed = conv_step(qkv[:, :, None], conv_state, self.conv_weight, None, self.activation)  # [B, C, 1]
+        query, key, value = self._heads(mixed.transpose(1, 2), batch=len(slots))
+        beta, g = self._gates(b[:, None], a[:, None])
+        out, final = recurrent_rule(
+            query,
+            key,
+            value,
+            g=g,
+            beta=beta,
+            initial_state=state,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        conv_states.index_copy_(0, index, conv_state)
+        states.index_copy_(0, index, final)
+        return out[:, 0]
 
     def _decode(self, qkv, b, a, conv_state, state) -> torch.Tensor:
         mixed = conv_step(qkv.T[None], conv_state, self.conv_weight, None, self.activation)  # updates conv_state
