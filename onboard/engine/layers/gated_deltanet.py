@@ -146,28 +146,23 @@ class GatedDeltaNet(torch.nn.Module):
         batch row on its own (no reduction across rows), so a row's bits are its lone decode's."""
         index = torch.tensor(slots, dtype=torch.long, device=qkv.device)
         conv_state, state = conv_states.index_select(0, index), states.index_select(0, index)
-        mixed = conv_step(qkv[:, :, None], conv_state, self.conv_weight, None, self.activation)  # [B, C, 1]
-        query, key, value = self._heads(mixed.transpose(1, 2), batch=len(slots))
-        beta, g = self._gates(b[:, None], a[:, None])
-        out, final = recurrent_rule(
-            query,
-            key,
-            value,
-            g=g,
-            beta=beta,
-            initial_state=state,
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-        )
+        out, final = self._recurrent(qkv[:, :, None], b[:, None], a[:, None], conv_state, state)
         conv_states.index_copy_(0, index, conv_state)
         states.index_copy_(0, index, final)
         return out[:, 0]
 
     def _decode(self, qkv, b, a, conv_state, state) -> torch.Tensor:
-        mixed = conv_step(qkv.T[None], conv_state, self.conv_weight, None, self.activation)  # updates conv_state
-        query, key, value = self._heads(mixed.transpose(1, 2))
-        beta, g = self._gates(b[None], a[None])
-        out, final = recurrent_rule(
+        out, final = self._recurrent(qkv.T[None], b[None], a[None], conv_state, state)
+        state.copy_(final)
+        return out[0]
+
+    def _recurrent(self, columns, b, a, conv_state, state) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per batch row (`columns` `[B, conv dim, 1]`): the conv's step (updating
+        `conv_state` in place) and the recurrent rule from `state`; (out, the new state)."""
+        mixed = conv_step(columns, conv_state, self.conv_weight, None, self.activation)
+        query, key, value = self._heads(mixed.transpose(1, 2), batch=columns.shape[0])
+        beta, g = self._gates(b, a)
+        return recurrent_rule(
             query,
             key,
             value,
@@ -177,5 +172,3 @@ class GatedDeltaNet(torch.nn.Module):
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
         )
-        state.copy_(final)
-        return out[0]
