@@ -27,7 +27,7 @@ LOGIT_CHUNK = 128  # positions per float32 logit block (evaluate/stage.py's CHUN
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")  # a text model's, or a VLM's
 # Stages that must generate (a whole model resident, a KV cache), so over budget need endpoints.
 GENERATING = ("smoke", "bench")
 STREAMED_HOLDS = {

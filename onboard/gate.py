@@ -21,6 +21,7 @@ from rich.table import Table
 from onboard import atomic
 from onboard.errors import OnboardError
 from onboard.models.mtp import mtp_entries
+from onboard.models.vlm import vision_entries
 from onboard.recipes import Gate, describe
 from onboard.workspace import (
     ARTIFACT,
@@ -90,8 +91,15 @@ def _mtp_kept(selection: dict) -> bool:
     return bool(selection.get("mtp", {}).get("kept", True))
 
 
+def _vision_kept(selection: dict) -> bool:
+    """A VLM's vision tower is in the artifact byte for byte (`quantize/kept.py`; its tensors counted
+    again on the artifact's files by `_stage_results`); a text model has none to lose."""
+    return bool(selection.get("vision", {}).get("kept", True))
+
+
 CHECKS = (
     Check("mtp_kept", "quantize", "require_mtp_kept", _required, _mtp_kept),
+    Check("vision_kept", "quantize", "require_vision_kept", _required, _vision_kept),
     Check("mean_kld", "eval", "max_mean_kld", operator.le, itemgetter("mean_kld")),
     Check("top1_agreement", "eval", "min_top1_agreement", operator.ge, itemgetter("top1_agreement")),
     Check(
@@ -201,6 +209,12 @@ def _stage_results(run_dir: Path) -> dict[str, dict | None]:
         selection["mtp"] = {
             **selection["mtp"],
             "kept": selection["mtp"]["kept"] and present == selection["mtp"]["tensors"],
+        }
+    if selection is not None and (selection.get("vision") or {}).get("tensors"):
+        present = len(vision_entries(run_dir / ARTIFACT))
+        selection["vision"] = {
+            **selection["vision"],
+            "kept": selection["vision"]["kept"] and present == selection["vision"]["tensors"],
         }
     speculator = found["speculator"]
     if speculator is not None and speculator.get("acceptance_length") is None:

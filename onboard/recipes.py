@@ -264,6 +264,8 @@ class Gate(_Strict):
 
     # A source's MTP layers (its own speculator) are in the artifact, so `method: mtp` serves.
     require_mtp_kept: bool = True
+    # A VLM's vision tower and projector are in the artifact as the source stores them.
+    require_vision_kept: bool = True
     max_mean_kld: float = Field(0.5, ge=0)
     min_top1_agreement: float = Field(0.6, ge=0, le=1)
     min_acceptance_length: float = Field(1.2, ge=1)

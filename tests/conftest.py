@@ -78,15 +78,15 @@ def tiny_glm_moe_dsa(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_5(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny Qwen3.5 text model: a Gated DeltaNet layer, then an output-gated attention layer, and
-    an MTP module under `mtp.*`. Shared: do not modify."""
-    return build_once(tmp_path_factory, "tiny_qwen3_5", tiny_models.build_qwen3_5_text)
+    """Tiny Qwen3.5 release (the VLM): a Gated DeltaNet layer, then an output-gated attention layer,
+    a vision tower, and an MTP module under `mtp.*`. Shared: do not modify."""
+    return build_once(tmp_path_factory, "tiny_qwen3_5", tiny_models.build_qwen3_5)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_5_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`tiny_qwen3_5` with Qwen3.5-MoE's experts and sigmoid-gated shared expert. Shared: do not modify."""
-    return build_once(tmp_path_factory, "tiny_qwen3_5_moe", tiny_models.build_qwen3_5_moe_text)
+    return build_once(tmp_path_factory, "tiny_qwen3_5_moe", tiny_models.build_qwen3_5_moe)
 
 
 @pytest.fixture(scope="session")

@@ -193,7 +193,7 @@ def make_cases(i: Inputs) -> dict[str, Case]:
         # stage (quantize would have run first), naming what the engine lacks.
         "run_engine_lacks": Case(
             ["run", str(i.engine_lacks), "--out", str(runs / "run_engine_lacks")],
-            ["speculator:", "Qwen3_5ForConditionalGeneration", "VLM wrapper", "--skip-adapt"],
+            ["speculator:", "Llama4ForConditionalGeneration", "chunked attention", "--skip-adapt"],
             runs / "run_engine_lacks",
         ),
         "recipe_typo_top": Case(

@@ -137,3 +137,21 @@ def test_skip_adapt_runs_a_family_the_engine_lacks_through_transformers(tmp_path
     assert next(c for c in gate["checks"] if c["name"] == "batch_invariant")["note"].startswith("not measured")
     report = (out / "report.html").read_text()
     assert "INCOMPLETE" in report and "adapt skipped: --skip-adapt: the adaptation proof is missing" in report
+
+
+@pytest.mark.slow
+def test_every_stage_on_a_qwen3_5_moe_release(tiny_qwen3_5_moe: Path, tmp_path: Path) -> None:
+    """The VLM release (Gated DeltaNet over the state pool, gated attention, a sigmoid-gated shared
+    expert, a vision tower, an MTP module) through every stage: its text model quantized, served and
+    proven; the vision tower and MTP module kept, and the gate's checks of them passing."""
+    out = tmp_path / "run"
+    code = run_pipeline(stage_context(tiny_qwen3_5_moe, None, overrides()), out, list(STAGES))
+    gate = json.loads((out / "gate.json").read_text())
+    assert gate["complete"] and code == (0 if gate["passed"] else 1)
+    parity = json.loads((out / "adapt" / "parity.json").read_text())
+    assert parity["engine_model"] == "Qwen3_5MoeModel" and parity["max_abs_logit_diff"] == 0.0
+    checks = {c["name"]: c for c in gate["checks"]}
+    for name in ("vision_kept", "mtp_kept", "parity_top1_agreement", "fast_parity", "batch_invariant"):
+        assert checks[name]["passed"], name
+    selection = json.loads((out / "quantize" / "selection.json").read_text())
+    assert selection["vision"]["tensors"] > 4 and "preprocessor_config.json" in selection["vision"]["processor_files"]

@@ -42,8 +42,8 @@ def test_stages_that_run_the_engine_refuse_in_their_plan_a_family_it_lacks(tiny_
     from onboard.errors import OnboardError
     from onboard.stage import engine_refusal
 
-    ctx = pipeline.stage_context(tiny_models.build_engine_lacks(tmp_path / "qwen3_5"), None, {})
-    assert "VLM wrapper" in engine_refusal(ctx.checkpoint)
+    ctx = pipeline.stage_context(tiny_models.build_engine_lacks(tmp_path / "llama4"), None, {})
+    assert "chunked attention" in engine_refusal(ctx.checkpoint)
     assert engine_refusal(pipeline.stage_context(tiny_llama, None, {}).checkpoint) is None
     for name in ("speculator", "adapt", "smoke"):
         with pytest.raises(OnboardError, match=f"^{name}: the serving engine does not support"):
@@ -56,7 +56,7 @@ def test_skip_adapt_plans_transformers_only_where_the_engine_lacks_the_family(ti
     it serves the family, and otherwise go through transformers (smoke) or are skipped."""
     import tiny_models
 
-    lacking = tiny_models.build_engine_lacks(tmp_path / "qwen3_5")
+    lacking = tiny_models.build_engine_lacks(tmp_path / "llama4")
     paths = {}
     for name, model in (("served", tiny_llama), ("lacking", lacking)):
         ctx = pipeline.stage_context(model, None, {}, skip_adapt=True)

@@ -294,12 +294,12 @@ def _deepseek_config(arch: str, common: dict, num_layers: int = DEEPSEEK_LAYERS)
 
 
 def _make_model(
-    arch: str, seed: int, config: transformers.PretrainedConfig | None = None
+    arch: str, seed: int, config: transformers.PretrainedConfig | None = None, auto=transformers.AutoModelForCausalLM
 ) -> transformers.PreTrainedModel:
     """Build the model in float32 from a fixed seed, re-initialise, and cast to bfloat16."""
     config = config or _config(arch)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = auto.from_config(config, dtype=torch.float32)
     # Re-draw every weight from our own generator, in parameter-name order, so the values do not
     # depend on transformers' init internals.  Norm weights stay at 1.
     gen = torch.Generator().manual_seed(seed)
@@ -475,21 +475,19 @@ QWEN3_5_LINEAR = dict(
 )
 
 
-def build_qwen3_5_text(out_dir: Path, seed: int = 0) -> Path:
-    """A whole tiny Qwen3.5 text model (`Qwen3_5ForCausalLM`): one Gated DeltaNet layer, then one
-    output-gated full-attention layer with partial rotary, and an MTP module under `mtp.*`."""
-    config = transformers.Qwen3_5TextConfig(**_common_kwargs(), tie_word_embeddings=False, **QWEN3_5_LINEAR)
-    out_dir = Path(out_dir)
-    _make_model("qwen3_5_text", seed, config).save_pretrained(out_dir)
-    build_tokenizer(out_dir)
-    _add_qwen_mtp(out_dir, seed)
-    return out_dir
+# A vision tower as small as transformers builds one: what the tests need of it is that it is
+# carried byte for byte and never quantized.
+QWEN3_5_VISION = dict(
+    depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=HIDDEN_SIZE, patch_size=4
+)
+# What a VLM release ships beside its weights for the image processor (kept in the artifact).
+PREPROCESSOR_CONFIG = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 4, "merge_size": 2}
 
 
-def build_qwen3_5_moe_text(out_dir: Path, seed: int = 0) -> Path:
-    """`build_qwen3_5_text` with Qwen3.5-MoE's experts and sigmoid-gated shared expert
-    (`Qwen3_5MoeForCausalLM`), and the same MTP module."""
-    config = transformers.Qwen3_5MoeTextConfig(
+def qwen3_5_text_config(moe: bool = False) -> transformers.PretrainedConfig:
+    if not moe:
+        return transformers.Qwen3_5TextConfig(**_common_kwargs(), tie_word_embeddings=False, **QWEN3_5_LINEAR)
+    return transformers.Qwen3_5MoeTextConfig(
         **_common_kwargs(),
         tie_word_embeddings=False,
         **QWEN3_5_LINEAR,
@@ -498,11 +496,29 @@ def build_qwen3_5_moe_text(out_dir: Path, seed: int = 0) -> Path:
         moe_intermediate_size=MOE_INTERMEDIATE_SIZE,
         shared_expert_intermediate_size=MOE_INTERMEDIATE_SIZE,
     )
+
+
+def build_qwen3_5(out_dir: Path, seed: int = 0, moe: bool = False) -> Path:
+    """A whole tiny Qwen3.5 release as the Hub ships it (`Qwen3_5ForConditionalGeneration`, or
+    `Qwen3_5MoeForConditionalGeneration` with routed experts and a sigmoid-gated shared expert):
+    the text model under `model.language_model.` (one Gated DeltaNet layer, then one output-gated
+    full-attention layer with partial rotary), a vision tower under `model.visual.`, an MTP module
+    under `mtp.*` counted by `text_config.mtp_num_hidden_layers`, and a preprocessor config."""
+    text = qwen3_5_text_config(moe)
+    family = transformers.models.qwen3_5_moe if moe else transformers.models.qwen3_5
+    vision = (family.Qwen3_5MoeVisionConfig if moe else family.Qwen3_5VisionConfig)(**QWEN3_5_VISION)
+    config_class = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+    config = config_class(text_config=text.to_dict(), vision_config=vision.to_dict(), tie_word_embeddings=False)
     out_dir = Path(out_dir)
-    _make_model("qwen3_5_moe_text", seed, config).save_pretrained(out_dir)
+    _make_model(config.model_type, seed, config, transformers.AutoModelForImageTextToText).save_pretrained(out_dir)
     build_tokenizer(out_dir)
-    _add_qwen_mtp(out_dir, seed)
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2) + "\n")
+    _add_qwen_mtp(out_dir, seed, text)
     return out_dir
+
+
+def build_qwen3_5_moe(out_dir: Path, seed: int = 0) -> Path:
+    return build_qwen3_5(out_dir, seed, moe=True)
 
 
 def build_gemma3_text(out_dir: Path, seed: int = 0) -> Path:
@@ -515,20 +531,33 @@ def build_gemma3_text(out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
-def _add_qwen_mtp(out_dir: Path, seed: int) -> None:
-    """One MTP layer as Qwen3.5 releases it: an `mtp.` module beside `model.` in its own shard,
-    counted by config.json's `mtp_num_hidden_layers` (transformers drops both on load)."""
+def _add_qwen_mtp(out_dir: Path, seed: int, text: transformers.PretrainedConfig) -> None:
+    """One MTP layer as Qwen3.5 releases it, in its own shard: an `mtp.` module beside `model.`
+    (`fc` over the normed embedding and hidden state, one full-attention decoder layer of the text
+    model's kind, experts stored one by one, a final norm), counted by the text config's
+    `mtp_num_hidden_layers` (transformers drops both on load)."""
+    family = transformers.models.qwen3_5_moe.modeling_qwen3_5_moe if text.model_type.endswith("moe_text") else None
+    family = family or transformers.models.qwen3_5.modeling_qwen3_5
+    layer_class = next(getattr(family, n) for n in dir(family) if n.endswith("DecoderLayer"))
+    torch.manual_seed(seed + 1)
+    layer = layer_class(text, layer_idx=text.layer_types.index("full_attention"))
     gen = torch.Generator().manual_seed(seed + 1)
-    shapes = {
-        "mtp.fc.weight": (HIDDEN_SIZE, 2 * HIDDEN_SIZE),
-        "mtp.pre_fc_norm_embedding.weight": (HIDDEN_SIZE,),
-        "mtp.pre_fc_norm_hidden.weight": (HIDDEN_SIZE,),
-        "mtp.layers.0.mlp.down_proj.weight": (HIDDEN_SIZE, INTERMEDIATE_SIZE),
-        "mtp.norm.weight": (HIDDEN_SIZE,),
-    }
-    tensors = {
-        name: (torch.randn(shape, generator=gen) * LINEAR_STD).to(torch.bfloat16) for name, shape in shapes.items()
-    }
+    tensors: dict[str, torch.Tensor] = {}
+    for name, param in sorted(layer.state_dict().items()):
+        value = param.float() if name.endswith("norm.weight") else torch.randn(param.shape, generator=gen) * LINEAR_STD
+        if name.endswith("experts.gate_up_proj"):  # the Hub stores experts one by one
+            for e, (gate, up) in enumerate(zip(*value.chunk(2, dim=1), strict=True)):
+                tensors[f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight"] = gate
+                tensors[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] = up
+        elif name.endswith("experts.down_proj"):
+            for e, down in enumerate(value):
+                tensors[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = down
+        else:
+            tensors[f"mtp.layers.0.{name}"] = value
+    tensors["mtp.fc.weight"] = torch.randn(HIDDEN_SIZE, 2 * HIDDEN_SIZE, generator=gen) * LINEAR_STD
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = torch.zeros(HIDDEN_SIZE)  # zero-centred: a scale of 1
+    tensors = {name: value.to(torch.bfloat16).contiguous() for name, value in tensors.items()}
     save_file(tensors, str(out_dir / "mtp.safetensors"), {"format": "pt"})
     (out_dir / "model.safetensors").rename(out_dir / "model-00001-of-00001.safetensors")
     with safe_open(str(out_dir / "model-00001-of-00001.safetensors"), framework="pt") as handle:
@@ -536,22 +565,23 @@ def _add_qwen_mtp(out_dir: Path, seed: int) -> None:
     index = {"metadata": {}, "weight_map": {**names, **{name: "mtp.safetensors" for name in tensors}}}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     config = json.loads((out_dir / "config.json").read_text())
-    (out_dir / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}, indent=2) + "\n")
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def build_engine_lacks(out_dir: Path) -> Path:
-    """A Qwen3.5-shaped checkpoint dir (transformers knows `qwen3_5`, the engine does not): only what
+    """A Llama-4-shaped checkpoint dir (transformers knows `llama4`, the engine does not): only what
     is read before any stage runs, a config and one tensor in the VLM wrapper's names."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     text = {"hidden_size": 16, "num_hidden_layers": 1, "vocab_size": 32, "intermediate_size": 32}
     config = {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
-        "text_config": {**text, "model_type": "qwen3_5_text"},
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "model_type": "llama4",
+        "text_config": {**text, "model_type": "llama4_text"},
         "dtype": "bfloat16",
     }
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     weight = torch.randn(32, 16, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    save_file({"model.language_model.embed_tokens.weight": weight}, str(out_dir / "model.safetensors"))
+    save_file({"language_model.model.embed_tokens.weight": weight}, str(out_dir / "model.safetensors"))
     return out_dir

@@ -146,17 +146,9 @@ def measure_layerwise(
             mine_layer = build(stepper, index)
             error = _Error(f"model.layers.{index}")
             recorder, linears = _LinearRecorder(theirs_layer, f"model.layers.{index}"), {}
-            linear = (getattr(config, "layer_types", None) or [None] * (index + 1))[index] == "linear_attention"
             for p, x in enumerate(streams):
                 position_ids = torch.arange(x.shape[0], device=device_)[None]
-                # Qwen3.5's MRoPE takes a position per grid axis (text: the same three times).
-                rope_ids = position_ids.expand(3, 1, -1) if hasattr(reference.rotary, "mrope_section") else position_ids
-                kwargs = {
-                    # a linear-attention layer reads a padding mask (none here), not the causal one
-                    "attention_mask": None if linear else reference.mask(x[None], position_ids),
-                    "position_ids": position_ids,
-                    "position_embeddings": reference.rotary(x[None], rope_ids),
-                }
+                kwargs = reference.layer_kwargs(theirs_layer, x[None], position_ids)
                 if getattr(config, "indexer_types", None) is not None:
                     kwargs["prev_topk_indices"] = topk[p]
                 recorder.active = True

@@ -29,6 +29,7 @@ from onboard.engine.linear import EngineLinear
 from onboard.engine.models import model_class
 from onboard.engine.state_cache import StateCache
 from onboard.engine.weights import CheckpointWeights
+from onboard.models.vlm import text_model_config
 
 _BLOCK_SIZE = 16
 
@@ -45,7 +46,7 @@ class LayerStepper:
     def __init__(self, path: Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
         self.dtype = dtype
-        self.hf_config = AutoConfig.from_pretrained(path)
+        self.hf_config = text_model_config(AutoConfig.from_pretrained(path))
         self._weights = CheckpointWeights(Path(path), dtype=dtype, device=self.device, fuse_linears=False)
         self._model = model_class(self.hf_config)(self.hf_config, self._weights, layer_ids=())
         self._backend = attention_backend(self.device)

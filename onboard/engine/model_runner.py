@@ -16,6 +16,7 @@ from onboard.engine.models import model_class
 from onboard.engine.scheduler import ScheduledSeq
 from onboard.engine.state_cache import StateCache
 from onboard.engine.weights import CheckpointWeights
+from onboard.models.vlm import text_model_config
 
 
 @dataclass
@@ -48,7 +49,7 @@ class ModelRunner:
     def __init__(self, path: Path, config: EngineConfig, dtype: torch.dtype = torch.bfloat16):
         self.config = config
         self.device = torch.device(config.device)
-        self.hf_config = AutoConfig.from_pretrained(path)
+        self.hf_config = text_model_config(AutoConfig.from_pretrained(path))
         weights = CheckpointWeights(Path(path), dtype=dtype, device=self.device, fuse_linears=not self.exact)
         self.model = model_class(self.hf_config)(self.hf_config, weights)
         # Fast numerics: each weight shape's kernels, as measured on this machine (`kernels.py`).

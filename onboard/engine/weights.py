@@ -30,6 +30,7 @@ from onboard.engine.quant import (
     nvfp4_activation_quant,
 )
 from onboard.errors import OnboardError
+from onboard.models.vlm import checkpoint_name, text_name, wrapper_of
 
 _PLAIN_FORMATS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -64,7 +65,9 @@ class _Spec:
 
 
 class CheckpointWeights:
-    """The tensors of the checkpoint directory `path` (config.json and *.safetensors)."""
+    """The tensors of the checkpoint directory `path` (config.json and *.safetensors), by the text
+    model's names: a VLM's `model.language_model.*` are read as `model.*`, its vision tower is
+    not served (`onboard.models.vlm`)."""
 
     def __init__(
         self,
@@ -83,6 +86,7 @@ class CheckpointWeights:
             config = json.loads((self.path / "config.json").read_text())
         except (OSError, ValueError) as err:
             raise OnboardError(f"{self.path}: no readable config.json ({err})") from err
+        self.wrapper = wrapper_of(config)
         self.quantization_config: dict[str, Any] | None = config.get("quantization_config") or None
         self._quant = _QuantizationConfig(self.quantization_config) if self.quantization_config else None
         files = sorted(self.path.glob("*.safetensors"))
@@ -100,13 +104,15 @@ class CheckpointWeights:
     # -- plain tensors --------------------------------------------------------------------------
 
     def names(self) -> list[str]:
-        return sorted(self._file_of)
+        """The text model's tensors."""
+        return sorted(name for name in (text_name(n, self.wrapper) for n in self._file_of) if name is not None)
 
     def has(self, name: str) -> bool:
-        return name in self._file_of
+        return checkpoint_name(name, self.wrapper) in self._file_of
 
     def raw(self, name: str) -> torch.Tensor:
         """The tensor as stored (dtype included), on the device."""
+        name = checkpoint_name(name, self.wrapper)
         file = self._file_of.get(name)
         if file is None:
             raise KeyError(f"{self.path}: no tensor {name!r}")
@@ -174,7 +180,8 @@ class CheckpointWeights:
         return any(group.get("input_activations") for group in groups.values())
 
     def _spec(self, prefix: str) -> _Spec:
-        scheme = self._quant.scheme_for(prefix) if self._quant else None
+        # the config groups name modules as the checkpoint stores them
+        scheme = self._quant.scheme_for(checkpoint_name(prefix, self.wrapper)) if self._quant else None
         if self.has(f"{prefix}.weight_packed"):
             return _Spec(*self._nvfp4_spec(prefix, scheme))
         if not self.has(f"{prefix}.weight"):
@@ -234,7 +241,8 @@ class CheckpointWeights:
 
     def _dtype_of(self, name: str) -> torch.dtype | str:
         """The stored dtype, read from the file header (the string itself if torch has no such dtype)."""
-        return _SAFETENSORS_DTYPES.get(self._dtype[name], self._dtype[name])
+        stored = self._dtype[checkpoint_name(name, self.wrapper)]
+        return _SAFETENSORS_DTYPES.get(stored, stored)
 
     def _weight(self, prefix: str, spec: _Spec) -> torch.Tensor:
         if spec.fmt.startswith("nvfp4"):

@@ -72,10 +72,16 @@ def _fuse_experts(tensors: dict[str, torch.Tensor], wanted: set[str]) -> dict[st
 
 
 def check_layerwise(path: Path) -> Any:
-    """The checkpoint's config, or a one-line refusal of what a layer-by-layer run cannot build."""
+    """The checkpoint's text-model config (a VLM's `text_config`, with the checkpoint's quantization
+    config), or a one-line refusal of what a layer-by-layer run cannot build."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path)
+    from onboard.models.vlm import text_model_config
+
+    top = AutoConfig.from_pretrained(path)
+    config = text_model_config(top)
+    if config is not top and getattr(top, "quantization_config", None):
+        config.quantization_config = top.quantization_config
     if any(t == "sliding_attention" for t in getattr(config, "layer_types", None) or []):
         raise OnboardError("layer-by-layer runs do not build sliding-window masks yet; run this stage in memory")
     return config
@@ -85,8 +91,11 @@ class CheckpointLayers:
     """transformers' decoder layers, final norm and rotary embedding for `config`, built on demand."""
 
     def __init__(self, path: Path, config: Any, dtype: torch.dtype, device: torch.device):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModel
 
+        from onboard.models.vlm import read_config, wrapper_of
+
+        self.wrapper = wrapper_of(read_config(path))  # a VLM's text tensors sit under its prefix
         config = copy.deepcopy(config)  # the engine keeps its own
         config._attn_implementation = "sdpa"
         self.quantization = None
@@ -102,11 +111,12 @@ class CheckpointLayers:
             self.linearize = is_quantized_moe(config.to_dict())
             del config.quantization_config
         self.path, self.config, self.dtype, self.device = path, config, dtype, device
-        with torch.device("meta"):
-            shell = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        self.layer_cls = type(shell.model.layers[0])
-        self.norm_cls = type(shell.model.norm)
-        self.rotary = type(shell.model.rotary_emb)(config).to(device)
+        with torch.device("meta"):  # the decoder alone: a family's text model may have no causal-LM class
+            shell = AutoModel.from_config(config, dtype=dtype)
+        self.layer_cls = type(shell.layers[0])
+        self.norm_cls = type(shell.norm)
+        rotary = getattr(shell, "rotary_emb", None)
+        self.rotary = None if rotary is None else type(rotary)(config).to(device)
         self.keep_fp32 = set(getattr(shell, "_keep_in_fp32_modules_strict", None) or [])
         self.index = tensor_index(path)
         self.live_layers = 0  # decoder layers built here and not yet freed (the memory tests read the peak)
@@ -122,7 +132,10 @@ class CheckpointLayers:
         self.live_layers -= 1
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        return layer_tensors(self.path, prefix, self.index)
+        """The stored tensors under the text model's `prefix` (`model.layers.3.`), without it."""
+        from onboard.models.vlm import checkpoint_name
+
+        return layer_tensors(self.path, checkpoint_name(prefix, self.wrapper), self.index)
 
     def layer(self, index: int) -> torch.nn.Module:
         from transformers.initialization import no_init_weights
@@ -147,16 +160,21 @@ class CheckpointLayers:
 
     def _compressed(self, module: torch.nn.Module, index: int, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
         from onboard.models.compressed import fill_compressed
+        from onboard.models.vlm import checkpoint_name
 
+        # The layer at its stored name, which the config groups' targets and ignores speak.
+        prefix = checkpoint_name(f"model.layers.{index}.", self.wrapper)
         shell = torch.nn.Module()
         shell.config = self.config
-        shell.model = torch.nn.Module()
-        shell.model.layers = torch.nn.ModuleDict({str(index): module})
+        parent = shell
+        for part in prefix.split(".")[:-3]:
+            parent.add_module(part, torch.nn.Module())
+            parent = parent.get_submodule(part)
+        parent.layers = torch.nn.ModuleDict({str(index): module})
         if self.linearize:
             from llmcompressor.modeling.moe.linearize import linearize_moe
 
             linearize_moe(shell)
-        prefix = f"model.layers.{index}."
         # The config's targets and ignores name every layer; only this one is here to match.
         matcher = logging.getLogger("compressed_tensors.utils.match")
         level = matcher.level
@@ -165,12 +183,27 @@ class CheckpointLayers:
             fill_compressed(shell, self.quantization, {prefix + k: v for k, v in tensors.items()}, prefix[:-1])
         finally:
             matcher.setLevel(level)
-        return shell.model.layers[str(index)]
+        return parent.layers[str(index)]
 
     def norm(self) -> torch.nn.Module:
         norm = self.norm_cls(self.config.hidden_size, eps=self.config.rms_norm_eps)
         norm.load_state_dict({"weight": self.tensors("model.norm.")["weight"]})
         return norm.to(device=self.device, dtype=self.dtype)
+
+    def layer_kwargs(self, module: torch.nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
+        """What the whole model's forward hands decoder layer `module` for `hidden` `[b, T, d]`: its
+        mask (a linear-attention layer reads a padding mask, none here, not the causal one), the
+        positions and the rotary embeddings (Qwen3.5's MRoPE takes a position per grid axis, text
+        the same three times; a NoPE model has none)."""
+        linear = getattr(module, "layer_type", None) == "linear_attention"
+        rope_ids = (
+            position_ids.expand(3, *position_ids.shape) if hasattr(self.rotary, "mrope_section") else position_ids
+        )
+        return {
+            "attention_mask": None if linear else self.mask(hidden, position_ids),
+            "position_ids": position_ids,
+            "position_embeddings": None if self.rotary is None else self.rotary(hidden, rope_ids),
+        }
 
     def mask(self, embeds: torch.Tensor, position_ids: torch.Tensor):
         from transformers.masking_utils import create_causal_mask

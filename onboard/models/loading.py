@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from onboard.errors import OnboardError
 from onboard.models.checkpoint import Checkpoint, inspect_checkpoint
@@ -11,6 +11,7 @@ from onboard.models.compressed import drop_offload
 from onboard.models.gguf import converted_gguf
 from onboard.models.moe_artifact import is_quantized_moe, load_quantized_moe
 from onboard.models.tokens import fix_special_tokens
+from onboard.models.vlm import auto_model_class
 
 
 def resolve_model(path: Path, *, allow_pickle: bool = False, trust_remote_code: bool = False) -> Checkpoint:
@@ -33,7 +34,7 @@ def load_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16) -> P
     if is_quantized_moe(checkpoint.config):
         return load_quantized_moe(checkpoint.path, dtype, checkpoint.trust_remote_code).eval()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto_model_class(checkpoint.config).from_pretrained(
             checkpoint.path,
             dtype=dtype,
             use_safetensors=not checkpoint.allow_pickle or None,

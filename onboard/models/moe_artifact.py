@@ -14,14 +14,16 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
 from onboard.models.compressed import fill_compressed
 from onboard.models.mtp import mtp_prefixes
+from onboard.models.vlm import auto_model_class, text_config
 
 
 def is_quantized_moe(config: dict) -> bool:
-    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
+    text = text_config(config)
+    experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts")
     return bool(experts) and "quantization_config" in config
 
 
@@ -29,18 +31,17 @@ def load_quantized_moe(path: Path, dtype: torch.dtype, trust_remote_code: bool) 
     from compressed_tensors.quantization import QuantizationConfig
     from llmcompressor.modeling.moe.linearize import linearize_moe
 
-    quantization = QuantizationConfig.model_validate(
-        json.loads((path / "config.json").read_text())["quantization_config"]
-    )
+    stored = json.loads((path / "config.json").read_text())
+    quantization = QuantizationConfig.model_validate(stored["quantization_config"])
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = auto_model_class(stored).from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     linearize_moe(model)
     state = {}
     for file in sorted(path.glob("*.safetensors")):
         state.update(load_file(file))
     # MTP layers the artifact carries (quantize/mtp_carry.py) are no part of transformers' model.
-    mtp = tuple(mtp_prefixes(json.loads((path / "config.json").read_text()), state))
+    mtp = tuple(mtp_prefixes(stored, state))
     state = {name: tensor for name, tensor in state.items() if not (mtp and name.startswith(mtp))}
     fill_compressed(model, quantization, state, f"{path} (linearized)")
     return model

@@ -21,25 +21,39 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from onboard.models.headers import TensorEntry, safetensors_entries
+from onboard.models.vlm import checkpoint_name, text_config, wrapper_of
 
 COUNT_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers")
 MODULE_PREFIX = "mtp."  # the separate-module layout
 
 
+def count_key(config: dict) -> tuple[str, int] | None:
+    """(the key, its count) where the config declares MTP layers: at the top level, or in a
+    VLM's `text_config` (GLM-5.3-Flash, Qwen3.5's releases)."""
+    for where in (config, text_config(config)):
+        for key in COUNT_KEYS:
+            value = where.get(key)
+            if isinstance(value, int) and value > 0:
+                return key, value
+    return None
+
+
 def declared_mtp_layers(config: dict) -> int:
     """How many MTP layers the config says the checkpoint has (0 when it says nothing)."""
-    for key in COUNT_KEYS:
-        value = config.get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 0
+    found = count_key(config)
+    return found[1] if found else 0
 
 
 def _module_layout(config: dict, names: Iterable[str] | None) -> bool:
     """The `mtp.` module layout: its count key says so, or the checkpoint's tensors do."""
-    if isinstance(config.get("mtp_num_hidden_layers"), int) and config["mtp_num_hidden_layers"] > 0:
+    found = count_key(config)
+    if found and found[0] == "mtp_num_hidden_layers":
         return True
     return names is not None and any(name.startswith(MODULE_PREFIX) for name in names)
+
+
+def _first_layer(config: dict) -> int:
+    return int(text_config(config)["num_hidden_layers"])
 
 
 def mtp_prefixes(config: dict, names: Iterable[str] | None = None) -> list[str]:
@@ -49,19 +63,20 @@ def mtp_prefixes(config: dict, names: Iterable[str] | None = None) -> list[str]:
         return []
     if _module_layout(config, names):
         return [MODULE_PREFIX]
-    first = int(config["num_hidden_layers"])
-    return [f"model.layers.{first + k}." for k in range(count)]
+    first, wrapper = _first_layer(config), wrapper_of(config)
+    return [checkpoint_name(f"model.layers.{first + k}.", wrapper) for k in range(count)]
 
 
 def ignore_pattern(config: dict, names: Iterable[str] | None = None) -> str | None:
     """A compressed-tensors `ignore` entry matching every MTP module (`re:` is matched from the start)."""
-    first, count = int(config["num_hidden_layers"]), declared_mtp_layers(config)
+    first, count = _first_layer(config), declared_mtp_layers(config)
     if not count:
         return None
     if _module_layout(config, names):
         return r"re:mtp\."
     layers = "|".join(str(first + k) for k in range(count))
-    return rf"re:model\.layers\.({layers})\."
+    model = checkpoint_name("model.", wrapper_of(config)).replace(".", r"\.")
+    return rf"re:{model}layers\.({layers})\."
 
 
 def mtp_entries(directory: Path, config: dict | None = None) -> dict[str, TensorEntry]:

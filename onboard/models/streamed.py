@@ -55,11 +55,7 @@ class StreamedModel:
         model's forward builds for it."""
         hidden, topk = state
         positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
-        kwargs = {
-            "attention_mask": self.parts.mask(hidden, positions),
-            "position_ids": positions,
-            "position_embeddings": self.parts.rotary(hidden, positions),
-        }
+        kwargs = self.parts.layer_kwargs(module, hidden, positions)
         if self.dsa:
             kwargs["prev_topk_indices"] = topk
         out = module(hidden, **kwargs)

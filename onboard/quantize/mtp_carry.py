@@ -13,15 +13,15 @@ from pathlib import Path
 
 from onboard import atomic
 from onboard.console import console
-from onboard.errors import OnboardError
 from onboard.models.headers import TensorEntry, safetensors_entries
-from onboard.models.mtp import COUNT_KEYS, declared_mtp_layers, ignore_pattern, mtp_entries, mtp_prefixes
+from onboard.models.mtp import count_key, declared_mtp_layers, ignore_pattern, mtp_entries, mtp_prefixes
+from onboard.quantize.kept import KeptLost, check_kept
 
 SHARD_BYTES = 2 * 1024**3  # as the artifact's own shards: one shard's tensors are in memory at a time
 INDEX = "model.safetensors.index.json"
 
 
-class MtpLost(OnboardError):
+class MtpLost(KeptLost):
     """An artifact lacks MTP tensors its source has."""
 
 
@@ -40,19 +40,24 @@ def carry_mtp(source: Path, artifact: Path) -> dict:
             f"[yellow]{source.name} declares {declared} MTP layer(s) but holds no {prefix}* tensors: "
             "the artifact declares none[/]"
         )
-        _edit_config(artifact, {key: 0 for key in COUNT_KEYS if key in config} or {COUNT_KEYS[0]: 0}, None)
+        _edit_config(artifact, config, 0, None)
         return {"layers": 0, "declared": declared, "tensors": 0, "bytes": 0, "kept": True}
+    # llm-compressor 0.14 copies an `mtp.` module itself when the text config counts it
+    # (`mtp_num_hidden_layers`): only what it left out is copied here, and all is checked below.
+    present = safetensors_entries(artifact)
+    missing = {name: entry for name, entry in entries.items() if name not in present}
     single = artifact / "model.safetensors"
-    if single.is_file() and not (artifact / INDEX).is_file():
+    if missing and single.is_file() and not (artifact / INDEX).is_file():
         # transformers reads a lone model.safetensors before any index, and would never see the MTP shards.
         single.rename(artifact / "model-00001-of-00001.safetensors")
-    shards = _shards(entries)
+    shards = _shards(missing) if missing else []
     for i, names in enumerate(shards):
         tensors = {name: _tensor(name, entries[name]) for name in names}
         save_file(tensors, str(artifact / f"mtp-{i + 1:05d}-of-{len(shards):05d}.safetensors"), {"format": "pt"})
         del tensors
-    _write_index(artifact)
-    _edit_config(artifact, {key: config[key] for key in COUNT_KEYS if key in config}, ignore_pattern(config, entries))
+    if missing:
+        _write_index(artifact)
+    _edit_config(artifact, config, declared, ignore_pattern(config, entries))
     record = check_mtp_kept(source, artifact)
     console.print(
         f"kept {record['tensors']} MTP tensors ({record['bytes'] / 1e6:.1f} MB) of {declared} layer(s), as stored"
@@ -65,29 +70,12 @@ def check_mtp_kept(source: Path, artifact: Path, byte_equal: bool = True) -> dic
     `byte_equal` is off: a retrained head); raises `MtpLost` in one line otherwise."""
     config = json.loads((source / "config.json").read_text())
     wanted = mtp_entries(source, config)
-    found = safetensors_entries(artifact)
-    missing = [name for name in sorted(wanted) if name not in found]
-    if missing:
-        raise MtpLost(
-            f"{artifact} lacks {len(missing)} of the {len(wanted)} MTP tensors of {source} (e.g. {missing[0]}): "
-            "served with MTP it would accept nothing; quantize it again with this onboard"
-        )
-    for name in sorted(wanted):
-        have, want = found[name], wanted[name]
-        if (have.dtype, have.shape) != (want.dtype, want.shape):
-            raise MtpLost(
-                f"{artifact}: MTP tensor {name} is {have.dtype}{list(have.shape)}, the source's "
-                f"{want.dtype}{list(want.shape)}"
-            )
-        if byte_equal and have.read() != want.read():
-            raise MtpLost(f"{artifact}: MTP tensor {name} differs from the source's")
-    return {
-        "layers": declared_mtp_layers(config),
-        "tensors": len(wanted),
-        "bytes": sum(entry.nbytes for entry in wanted.values()),
-        "dtypes": sorted({entry.dtype for entry in wanted.values()}),
-        "kept": True,
-    }
+    lost = ": served with MTP it would accept nothing"
+    try:
+        record = check_kept("MTP", wanted, source, artifact, byte_equal, consequence=lost)
+    except KeptLost as err:
+        raise MtpLost(str(err)) from None
+    return {"layers": declared_mtp_layers(config), **record}
 
 
 def _tensor(name: str, entry: TensorEntry):
@@ -118,10 +106,14 @@ def _write_index(artifact: Path) -> None:
     atomic.write_json(artifact / INDEX, index)
 
 
-def _edit_config(artifact: Path, counts: dict[str, int], ignore: str | None) -> None:
+def _edit_config(artifact: Path, source_config: dict, count: int, ignore: str | None) -> None:
+    """The artifact declares `count` MTP layers under the source's key, where the source has it (a
+    VLM's `text_config` or the top level), and its `ignore` list names them."""
     path = artifact / "config.json"
     config = json.loads(path.read_text())
-    config.update(counts)
+    key, _ = count_key(source_config) or ("num_nextn_predict_layers", 0)
+    nested = key not in source_config and isinstance(source_config.get("text_config"), dict)
+    (config.setdefault("text_config", {}) if nested else config)[key] = count
     quantization = config.get("quantization_config")
     if ignore and quantization is not None:
         entries = quantization.setdefault("ignore", [])

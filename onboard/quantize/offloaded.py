@@ -76,13 +76,15 @@ def load_offloaded(checkpoint: Checkpoint, offload: Path, linearized: bool = Tru
     from compressed_tensors.offload import load_offloaded_model
     from llmcompressor.modeling.moe.conversion_mappings import ARCH_TO_IMPORT_PATHS
     from llmcompressor.utils import load_context
-    from transformers import AutoModelForCausalLM
+
+    from onboard.models.vlm import auto_model_class
 
     for model_type, paths in MOE_LAYOUTS.items():
         ARCH_TO_IMPORT_PATHS.setdefault(model_type, paths)
     loading = load_context if linearized else load_offloaded_model
-    with _legacy_aliases_hidden(), loading(AutoModelForCausalLM):
-        model = AutoModelForCausalLM.from_pretrained(
+    auto = auto_model_class(checkpoint.config)
+    with _legacy_aliases_hidden(), loading(auto):
+        model = auto.from_pretrained(
             checkpoint.path,
             dtype=torch.bfloat16,
             device_map="auto_offload",

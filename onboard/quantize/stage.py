@@ -31,6 +31,7 @@ from onboard.quantize.auto import Selection, artifact_kld
 from onboard.quantize.bits import effective_bits, is_quantizable, layer_bits
 from onboard.quantize.calibration import calibration_dataset
 from onboard.quantize.distill import distill_scales, distill_windows
+from onboard.quantize.kept import keep_vision
 from onboard.quantize.method_choice import choose_method
 from onboard.quantize.modifiers import needs_calibration, offloaded_copy
 from onboard.quantize.mtp_carry import carry_mtp
@@ -217,6 +218,7 @@ def run_quantize(
         layers = layer_bits(artifact)  # the main model's layers: before the MTP layers join them
         bits = effective_bits(layers)
         mtp = carry_mtp(checkpoint.path, artifact) if (artifact / "config.json").is_file() else {}
+        vision = keep_vision(checkpoint.path, artifact)
         selection_record = {
             "scheme": settings.scheme,
             "method": settings.method.name,
@@ -230,6 +232,7 @@ def run_quantize(
             "pinned": pinned,
             "search": [],
             "mtp": mtp,
+            **({"vision": vision} if vision else {}),
             **auto,
         }
         atomic.write_json(stage.path(SELECTION), selection_record)
@@ -243,6 +246,7 @@ def run_quantize(
             "bytes_artifact": _dir_bytes(artifact),
             "quantized_layers": sum(1 for v in layers.values() if v["format"] not in ("bf16", "f16", "f32")),
             **({"mtp_tensors_kept": mtp["tensors"]} if mtp.get("tensors") else {}),
+            **({"vision_tensors_kept": vision["tensors"]} if vision else {}),
             **({"search_kld": auto["final"]["measured_kld"], "bits_budget": settings.bits_budget} if auto else {}),
             "memory_path": plan.path,
         }

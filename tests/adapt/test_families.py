@@ -75,7 +75,7 @@ def _prompts(path: Path) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3_moe", *MLA_FIXTURES])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3_moe", "tiny_qwen3_5", "tiny_qwen3_5_moe", *MLA_FIXTURES])
 def test_layerwise_parity_agrees_with_whole_model(arch: str, dtype: torch.dtype, request, whole_parity) -> None:
     path = request.getfixturevalue(arch)
     layerwise = measure_layerwise(path, _prompts(path), dtype)

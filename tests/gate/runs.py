@@ -36,7 +36,11 @@ STAGE_FILES = {
 PASSING: dict[str, dict[str, Any]] = {
     # `tensors` 0: the gate has no artifact files to look for them in (a run with MTP layers is in
     # tests/quantize/test_mtp_carry.py)
-    "quantize": {"effective_bits": 4.5, "mtp": {"layers": 1, "tensors": 0, "kept": True}},
+    "quantize": {
+        "effective_bits": 4.5,
+        "mtp": {"layers": 1, "tensors": 0, "kept": True},
+        "vision": {"tensors": 0, "kept": True},
+    },
     "eval": {"mean_kld": 0.05, "top1_agreement": 0.93, "num_tokens": 4096, "p99_kld": 0.4},
     "speculator": {"acceptance_length": 2.5, "num_draft_tokens": 3},
     "adapt": {
@@ -90,6 +94,7 @@ PASSING_W4A4: dict[str, dict[str, Any]] = {
 # numerics' value); "max" passes at value <= threshold, "min" at >=.
 SPEC: dict[str, tuple[str, str, str, str]] = {
     "mtp_kept": ("quantize", "mtp.kept", "require_mtp_kept", "bool"),
+    "vision_kept": ("quantize", "vision.kept", "require_vision_kept", "bool"),
     "mean_kld": ("eval", "mean_kld", "max_mean_kld", "max"),
     "top1_agreement": ("eval", "top1_agreement", "min_top1_agreement", "min"),
     "acceptance_length": ("speculator", "acceptance_length", "min_acceptance_length", "min"),

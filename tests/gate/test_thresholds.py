@@ -71,6 +71,7 @@ def test_each_check_reads_its_own_threshold(tmp_path):
     """Every threshold distinct, so a check compared against another's threshold shows up."""
     distinct = Gate(
         require_mtp_kept=True,
+        require_vision_kept=True,
         max_mean_kld=0.41,
         min_top1_agreement=0.52,
         min_acceptance_length=1.13,
@@ -89,7 +90,7 @@ def test_each_check_reads_its_own_threshold(tmp_path):
         max_parity_linear_ratio=2.1,
     )
     values = distinct.model_dump()
-    assert len({v for v in values.values() if not isinstance(v, bool)}) == len(values) - 3
+    assert len({v for v in values.values() if not isinstance(v, bool)}) == len(values) - 4
     seen = set()
     for rule in ("near_tie", "layerwise_distribution"):
         result = evaluate_gate(make_run(tmp_path / rule, passing_metrics(rule)), distinct)

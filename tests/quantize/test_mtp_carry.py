@@ -137,6 +137,19 @@ def test_a_declared_but_absent_mtp_layer_is_not_claimed_by_the_artifact(tiny_dee
     assert json.loads((root / "quantize/selection.json").read_text())["mtp"]["declared"] == 1
 
 
+def test_the_gate_checks_the_vision_tower_is_still_in_the_artifact(quantized_run, tiny_qwen3_5, tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from onboard.gate import evaluate_gate
+
+    stripped = Path(shutil.copytree(quantized_run(tiny_qwen3_5, settings(tiny_qwen3_5, "nvfp4")), tmp_path / "run"))
+    shard = stripped / "artifact" / "model.safetensors"
+    tensors = load_file(shard)
+    save_file({k: v for k, v in tensors.items() if not k.startswith("model.visual.")}, str(shard), {"format": "pt"})
+    check = next(c for c in evaluate_gate(stripped)["checks"] if c["name"] == "vision_kept")
+    assert check["value"] is False and not check["passed"]
+
+
 def test_the_gate_checks_the_mtp_layers_are_still_in_the_artifact(artifacts, tmp_path: Path) -> None:
     from onboard.gate import evaluate_gate
 
@@ -151,22 +164,32 @@ def test_the_gate_checks_the_mtp_layers_are_still_in_the_artifact(artifacts, tmp
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
-def test_qwens_mtp_module_is_kept_and_served_without_it(arch: str, quantized_run, request) -> None:
-    """Qwen3.5's layout (`mtp.*`, counted by `mtp_num_hidden_layers`): kept byte for byte, named in
-    the ignore list, checked by the gate; the engine serves the artifact's text model, and a MoE
-    artifact (experts linearized) loads in transformers without the MTP tensors."""
+def test_a_qwen_release_keeps_its_mtp_module_and_vision_tower(arch: str, quantized_run, request) -> None:
+    """Qwen3.5's VLM release: the MTP module (`mtp.*`, counted by `text_config.mtp_num_hidden_layers`)
+    and the vision tower kept byte for byte, the one named in the ignore list and neither quantized,
+    the processor's config beside them, both checked by the gate; the artifact is the release's VLM
+    class, the engine serves its text model, and a MoE artifact (experts linearized) loads in
+    transformers without the MTP tensors."""
     from onboard.gate import evaluate_gate
     from onboard.models import inspect_checkpoint, load_model
     from onboard.models.mtp import engine_serves_mtp
+    from onboard.models.vlm import vision_entries
 
     source = request.getfixturevalue(f"tiny_{arch}")
     root = quantized_run(source, settings(source, "nvfp4"))
     artifact = root / "artifact"
     wanted, stored = mtp_entries(source), safetensors_entries(artifact)
-    assert len(wanted) == 5 and all(stored[name].read() == entry.read() for name, entry in wanted.items())
+    assert len(wanted) == (29 if arch.endswith("moe") else 15)
+    assert all(stored[name].read() == entry.read() for name, entry in wanted.items())
+    vision = vision_entries(source)
+    assert len(vision) > 4 and all(stored[name].read() == entry.read() for name, entry in vision.items())
+    assert (artifact / "preprocessor_config.json").read_bytes() == (source / "preprocessor_config.json").read_bytes()
     config = json.loads((artifact / "config.json").read_text())
-    assert config["mtp_num_hidden_layers"] == 1 and r"re:mtp\." in config["quantization_config"]["ignore"]
-    assert next(c for c in evaluate_gate(root)["checks"] if c["name"] == "mtp_kept")["passed"]
+    assert config["architectures"] == json.loads((source / "config.json").read_text())["architectures"]
+    assert config["text_config"]["mtp_num_hidden_layers"] == 1
+    assert r"re:mtp\." in config["quantization_config"]["ignore"]
+    checks = {c["name"]: c for c in evaluate_gate(root)["checks"]}
+    assert checks["mtp_kept"]["passed"] and checks["vision_kept"]["passed"]
     assert not engine_serves_mtp(artifact)  # kept for vLLM; the engine's draft speaks DeepSeek's layout
     llm = LLMEngine(artifact, EngineConfig(block_size=4, num_blocks=64, max_model_len=128))
     (out,) = llm.generate([list(range(5, 25))], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))

@@ -26,8 +26,10 @@ MODEL_REGISTRY: dict[str, type[DecoderModel]] = {
     "GlmMoeDsaForCausalLM": DeepseekV3Model,
     "Glm4MoeLiteForCausalLM": DeepseekV3Model,  # GLM-4.7-Flash: DeepSeek-V3's MLA and MoE
     "Glm4MoeForCausalLM": Glm4MoeModel,
-    "Qwen3_5ForCausalLM": Qwen3_5Model,  # the text model; Gated DeltaNet with a per-sequence state
+    "Qwen3_5ForCausalLM": Qwen3_5Model,  # Gated DeltaNet with a per-sequence state
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeModel,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5Model,  # the VLM release: its text model (models/vlm.py)
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeModel,
 }
 
 GUIDE = "docs/adding-an-architecture.md"

@@ -6,9 +6,6 @@ An entry is removed when its family is added to `MODEL_REGISTRY` (a test keeps t
 """
 
 LACKING: dict[str, str] = {
-    "qwen3_5": "the VLM wrapper (its text model, Qwen3_5ForCausalLM, is served; the checkpoint's text sits "
-    "under model.language_model beside the vision tower)",
-    "qwen3_5_moe": "the VLM wrapper (its text model, Qwen3_5MoeForCausalLM, is served)",
     "qwen3_next": "the fused in_proj_qkvz/in_proj_ba weights of its Gated DeltaNet, and routed experts with a "
     "sigmoid-gated shared expert",
     "glm5_next": "KDA linear attention with a per-sequence recurrent state, NoPE MLA, a DSA indexer over pooled "
