@@ -52,7 +52,7 @@ def layer_tensors(path: Path, prefix: str, index: dict[str, list[str]] | None = 
     return out
 
 
-def _fuse_experts(tensors: dict[str, torch.Tensor], wanted: set[str]) -> dict[str, torch.Tensor]:
+def fuse_experts(tensors: dict[str, torch.Tensor], wanted: set[str]) -> dict[str, torch.Tensor]:
     """Per-expert `mlp.experts.E.{gate,up,down}_proj.weight` as transformers' fused parameters."""
     experts: dict[str, dict[int, torch.Tensor]] = {}
     out = {}
@@ -151,7 +151,7 @@ class CheckpointLayers:
             module = self._compressed(module, index, self.tensors(prefix))
         else:
             wanted = set(module.state_dict())
-            tensors = _fuse_experts(self.tensors(prefix), wanted)
+            tensors = fuse_experts(self.tensors(prefix), wanted)
             missing = sorted(wanted - set(tensors))
             if missing:
                 raise OnboardError(f"layerwise parity: model.layers.{index} has no stored {missing[0]}")

@@ -44,7 +44,7 @@ def declared_mtp_layers(config: dict) -> int:
     return found[1] if found else 0
 
 
-def _module_layout(config: dict, names: Iterable[str] | None) -> bool:
+def module_layout(config: dict, names: Iterable[str] | None) -> bool:
     """The `mtp.` module layout: its count key says so, or the checkpoint's tensors do."""
     found = count_key(config)
     if found and found[0] == "mtp_num_hidden_layers":
@@ -61,7 +61,7 @@ def mtp_prefixes(config: dict, names: Iterable[str] | None = None) -> list[str]:
     count = declared_mtp_layers(config)
     if not count:
         return []
-    if _module_layout(config, names):
+    if module_layout(config, names):
         return [MODULE_PREFIX]
     first, wrapper = _first_layer(config), wrapper_of(config)
     return [checkpoint_name(f"model.layers.{first + k}.", wrapper) for k in range(count)]
@@ -72,7 +72,7 @@ def ignore_pattern(config: dict, names: Iterable[str] | None = None) -> str | No
     first, count = _first_layer(config), declared_mtp_layers(config)
     if not count:
         return None
-    if _module_layout(config, names):
+    if module_layout(config, names):
         return r"re:mtp\."
     layers = "|".join(str(first + k) for k in range(count))
     model = checkpoint_name("model.", wrapper_of(config)).replace(".", r"\.")
@@ -98,15 +98,3 @@ def has_mtp_layers(directory: Path, config: dict | None = None) -> bool:
             return False
         config = json.loads(path.read_text())
     return bool(declared_mtp_layers(config)) and bool(mtp_entries(directory, config))
-
-
-def engine_serves_mtp(directory: Path, config: dict | None = None) -> bool:
-    """The checkpoint has MTP layers the engine serves as a draft: DeepSeek's layout, which
-    transformers' `MtpModel` loads. Qwen3.5's `mtp.` module is kept in the artifact and served
-    by vLLM, not yet by the engine."""
-    if config is None:
-        path = Path(directory) / "config.json"
-        if not path.is_file():
-            return False
-        config = json.loads(path.read_text())
-    return has_mtp_layers(directory, config) and not _module_layout(config, None)

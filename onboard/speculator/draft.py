@@ -161,6 +161,15 @@ class Eagle3Draft(torch.nn.Module):
         return ttt_unroll(self, aux, input_ids, valid, steps)
 
 
+def additive_mask(attention_mask: torch.Tensor | None, rows: int, past: int, like: torch.Tensor) -> torch.Tensor:
+    """A draft step's boolean mask `[B, 1, rows, past + rows]` (None: every row sees everything
+    cached) as the additive one transformers' eager attention adds (SDPA takes either form)."""
+    if attention_mask is None:
+        attention_mask = torch.ones(1, 1, rows, past + rows, dtype=torch.bool)
+    additive = torch.zeros(attention_mask.shape, dtype=like.dtype, device=like.device)
+    return additive.masked_fill(~attention_mask.to(like.device), torch.finfo(like.dtype).min)
+
+
 def ttt_unroll(
     draft, aux: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, steps: int
 ) -> list[torch.Tensor]:

@@ -1,4 +1,5 @@
-"""A checkpoint's own MTP layers as the engine's draft (DeepSeek-V3/V3.2, GLM-5).
+"""A checkpoint's own MTP layers as the engine's draft (DeepSeek-V3/V3.2, GLM-5; Qwen's `mtp.`
+module in `qwen_mtp_draft.py`).
 
 The layers are transformers' (`MtpModel`, loaded by its own `from_pretrained` with its renamings
 and the family's expert conversions), so the draft is the reference implementation, not a copy
@@ -21,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from onboard.errors import OnboardError
 from onboard.models.mtp import declared_mtp_layers
-from onboard.speculator.draft import DraftStep, ttt_unroll
+from onboard.speculator.draft import DraftStep, additive_mask, ttt_unroll
 
 
 def mtp_config(config):
@@ -63,6 +64,13 @@ class MtpDraft(torch.nn.Module):
         """Training-time test (`draft.ttt_unroll`): step s chains the layer as serving does."""
         return ttt_unroll(self, aux, input_ids, valid, steps)
 
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """The MTP layers in the checkpoint's names and layout (transformers' conversions reverted)."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        state = {k: v.detach() for k, v in self.mtp.state_dict().items() if k.startswith("layers.")}
+        return revert_weight_conversion(self.mtp, state)
+
     def step(
         self,
         input_ids: torch.Tensor,
@@ -75,12 +83,7 @@ class MtpDraft(torch.nn.Module):
         `attention_mask` [B, 1, T, past + T] boolean, None for one row attending to everything cached."""
         mtp = self.mtp
         embeds = mtp.embed_tokens(input_ids)
-        past = cache.get_seq_length()
-        if attention_mask is None:
-            attention_mask = torch.ones(1, 1, input_ids.shape[1], past + input_ids.shape[1], dtype=torch.bool)
-        # Additive: transformers' eager attention (DSA's) adds the mask, SDPA takes either form.
-        additive = torch.zeros(attention_mask.shape, dtype=embeds.dtype, device=embeds.device)
-        additive = additive.masked_fill(~attention_mask.to(embeds.device), torch.finfo(embeds.dtype).min)
+        additive = additive_mask(attention_mask, input_ids.shape[1], cache.get_seq_length(), embeds)
         # transformers' `MtpLayer.forward`, spelled out: GLM-5's decoder layer returns (state, top-k
         # indices), which `MtpLayer` hands to its norm as is (transformers 5.17).
         block = mtp.layers[0]  # the one layer the engine serves (`load_mtp_draft`)
@@ -109,14 +112,20 @@ def load_mtp_draft(path: Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.modeling_layers import MtpModel
 
-    from onboard.models.mtp import has_mtp_layers
+    from onboard.models.mtp import has_mtp_layers, module_layout
+    from onboard.models.vlm import read_config
 
-    raw = AutoConfig.from_pretrained(path)
-    count = declared_mtp_layers(raw.to_dict())
-    if not has_mtp_layers(path, raw.to_dict()):
+    stored = read_config(path)
+    count = declared_mtp_layers(stored)
+    if not has_mtp_layers(path, stored):
         raise OnboardError(f"{path} has no MTP layers (num_nextn_predict_layers and model.layers.N.* tensors)")
     if count != 1:
         raise OnboardError(f"{path} has {count} MTP layers; the engine serves one (vLLM serves more: --engine vllm)")
+    if module_layout(stored, None):  # Qwen's `mtp.` module
+        from onboard.speculator.qwen_mtp_draft import load_qwen_mtp_draft
+
+        return load_qwen_mtp_draft(path, embed_tokens, lm_head, dtype)
+    raw = AutoConfig.from_pretrained(path)
     config = mtp_config(raw)
     config.quantization_config = None  # the main stack's format: the MTP layers are stored as they were
     with torch.device("meta"):

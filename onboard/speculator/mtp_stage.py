@@ -69,12 +69,8 @@ def write_mtp_layers(draft: MtpDraft, artifact: Path, stage: Stage, retrained: b
     """The artifact's MTP shards into the stage: with the draft's layers (in the checkpoint's names
     and dtypes, transformers' conversions reverted) when `retrained`, else as they are."""
     from safetensors.torch import load_file, save_file
-    from transformers.core_model_loading import revert_weight_conversion
 
-    layers = {}
-    if retrained:
-        state = {k: v.detach() for k, v in draft.mtp.state_dict().items() if k.startswith("layers.")}
-        layers = revert_weight_conversion(draft.mtp, state)
+    layers = draft.checkpoint_state() if retrained else {}
     for relative in mtp_outputs(artifact):
         name = relative.removeprefix(f"{ARTIFACT}/")
         tensors = load_file(str(artifact / name))

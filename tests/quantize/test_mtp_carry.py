@@ -168,11 +168,10 @@ def test_a_qwen_release_keeps_its_mtp_module_and_vision_tower(arch: str, quantiz
     """Qwen3.5's VLM release: the MTP module (`mtp.*`, counted by `text_config.mtp_num_hidden_layers`)
     and the vision tower kept byte for byte, the one named in the ignore list and neither quantized,
     the processor's config beside them, both checked by the gate; the artifact is the release's VLM
-    class, the engine serves its text model, and a MoE artifact (experts linearized) loads in
-    transformers without the MTP tensors."""
+    class, the engine serves its text model with the module as its draft, and a MoE artifact
+    (experts linearized) loads in transformers without the MTP tensors."""
     from onboard.gate import evaluate_gate
     from onboard.models import inspect_checkpoint, load_model
-    from onboard.models.mtp import engine_serves_mtp
     from onboard.models.vlm import vision_entries
 
     source = request.getfixturevalue(f"tiny_{arch}")
@@ -190,9 +189,12 @@ def test_a_qwen_release_keeps_its_mtp_module_and_vision_tower(arch: str, quantiz
     assert r"re:mtp\." in config["quantization_config"]["ignore"]
     checks = {c["name"]: c for c in evaluate_gate(root)["checks"]}
     assert checks["mtp_kept"]["passed"] and checks["vision_kept"]["passed"]
-    assert not engine_serves_mtp(artifact)  # kept for vLLM; the engine's draft speaks DeepSeek's layout
     llm = LLMEngine(artifact, EngineConfig(block_size=4, num_blocks=64, max_model_len=128))
     (out,) = llm.generate([list(range(5, 25))], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    draft, _ = load_draft(Path("mtp"), artifact, llm)  # the kept module, served as the engine's draft
+    llm.set_speculator(draft, 2)
+    (drafted,) = llm.generate([list(range(5, 25))], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert drafted.token_ids == out.token_ids and llm.speculator.stats.num_drafts > 0
     reference = load_model(inspect_checkpoint(artifact), torch.bfloat16)
     want = reference.generate(torch.tensor([list(range(5, 25))]), max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert out.token_ids == want[0, 20:].tolist()

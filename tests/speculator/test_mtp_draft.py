@@ -20,7 +20,7 @@ from onboard.speculator.drafts import load_draft
 from onboard.speculator.mtp_draft import load_mtp_draft, mtp_config
 
 ARCHS = ["deepseek_v3", "deepseek_v32", "glm_moe_dsa"]
-FAMILIES = [f"tiny_mtp_{arch}" for arch in ARCHS]
+FAMILIES = [*(f"tiny_mtp_{arch}" for arch in ARCHS), "tiny_qwen3_5", "tiny_qwen3_5_moe"]
 ENGINE = EngineConfig(block_size=4, num_blocks=512, max_model_len=256, enable_prefix_caching=False)
 
 
@@ -131,3 +131,39 @@ def test_a_checkpoint_without_mtp_layers_is_refused(tiny_deepseek_v3: Path) -> N
     engine = LLMEngine(tiny_deepseek_v3, ENGINE, dtype=torch.float32)
     with pytest.raises(OnboardError, match="has no MTP layers"):
         load_draft(Path("mtp"), tiny_deepseek_v3, engine)
+
+
+@pytest.mark.parametrize("family", ["tiny_qwen3_5", "tiny_qwen3_5_moe"])
+def test_qwens_mtp_module_goes_back_in_its_checkpoint_names(family: str, request) -> None:
+    """What `--draft mtp` writes back after fine-tuning: every stored tensor of the `mtp.` module,
+    in its name, dtype and bytes (experts one by one again), and nothing else."""
+    from onboard.models.mtp import mtp_entries
+
+    path = request.getfixturevalue(family)
+    engine = LLMEngine(path, ENGINE)
+    draft, _ = load_draft(Path("mtp"), path, engine)
+    state = draft.checkpoint_state()
+    stored = mtp_entries(path)
+    assert set(state) == set(stored)
+    for name, entry in stored.items():
+        assert state[name].contiguous().view(torch.uint8).numpy().tobytes() == entry.read(), name
+
+
+def test_qwens_mtp_draft_caches_as_it_computes_whole(tiny_qwen3_5: Path) -> None:
+    """Row by row over its own KV cache, the module proposes what it proposes over the whole
+    sequence at once (its attention reads what it cached)."""
+    engine = LLMEngine(tiny_qwen3_5, ENGINE, dtype=torch.float32)
+    draft, _ = load_draft(Path("mtp"), tiny_qwen3_5, engine)
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(3, 512, (1, 24), generator=gen)
+    states = torch.randn(1, 24, tiny_models.HIDDEN_SIZE, generator=gen)
+    positions = torch.arange(1, 25)[None]
+    causal = torch.ones(24, 24, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        whole = draft.step(tokens, states, positions, causal, draft.new_cache()).logits[0]
+        cache = draft.new_cache()
+        rows = [
+            draft.step(tokens[:, i : i + 1], states[:, i : i + 1], positions[:, i : i + 1], None, cache).logits[0]
+            for i in range(24)
+        ]
+    torch.testing.assert_close(torch.cat(rows), whole, rtol=0, atol=1e-5)
