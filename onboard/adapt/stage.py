@@ -227,13 +227,10 @@ def _decode_agreement(model, reference: ReferenceDecode, completion) -> dict[str
     known = min(common + 1, len(reference.logits), len(tokens))  # positions whose logits generate made
     steps = [reference.logits[:known]]
     if known < len(tokens):
-        cache = copy.deepcopy(reference.cache)
-        cache.crop(len(reference.prompt) + known - 1)
-        mask = torch.ones(1, len(reference.prompt) + known - 1, dtype=torch.long, device=model.device)
+        cache, mask = _cache_after(model, reference, known - 1)
         for token in tokens[known - 1 : -1]:
+            out = _decode_step(model, token, mask, cache)
             mask = torch.cat([mask, mask[:, :1]], dim=1)
-            ids = torch.tensor([[token]], device=model.device)
-            out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
             steps.append(out.logits[:, -1].float().cpu())
     logits = torch.cat(steps)
     ids = torch.tensor(tokens)
@@ -244,6 +241,36 @@ def _decode_agreement(model, reference: ReferenceDecode, completion) -> dict[str
         "top1_agree": int((logits.argmax(-1) == ids).sum()),
         "max_abs_logprob_diff": float((mine - theirs).abs().max()),
     }
+
+
+def _cache_after(model, reference: ReferenceDecode, generated: int):
+    """transformers' cache after the prompt and the first `generated` tokens of its own
+    continuation, and its attention mask: the end cache cut back, or, where a layer's recurrent
+    state cannot be cut back (linear attention), rebuilt the way `generate` built it (the prompt,
+    then each token alone)."""
+    length = len(reference.prompt) + generated
+    if not any(hasattr(layer, "recurrent_states") for layer in getattr(reference.cache, "layers", [])):
+        cache = copy.deepcopy(reference.cache)
+        cache.crop(length)
+        return cache, torch.ones(1, length, dtype=torch.long, device=model.device)
+    mask = torch.ones(1, len(reference.prompt), dtype=torch.long, device=model.device)
+    out = model(torch.tensor([reference.prompt], device=model.device), attention_mask=mask, use_cache=True)
+    cache = out.past_key_values
+    for token in reference.tokens[:generated]:
+        _decode_step(model, token, mask, cache)
+        mask = torch.cat([mask, mask[:, :1]], dim=1)
+    return cache, mask
+
+
+def _decode_step(model, token: int, mask: torch.Tensor, cache):
+    """One token after the `mask.shape[1]` cached ones, as `generate` steps (positions given: a VLM
+    would otherwise derive its multimodal ones from the mask)."""
+    position = torch.tensor([[mask.shape[1]]], device=model.device)
+    ids = torch.tensor([[token]], device=model.device)
+    mask = torch.cat([mask, mask[:, :1]], dim=1)
+    return model(
+        ids, attention_mask=mask, past_key_values=cache, use_cache=True, position_ids=position, logits_to_keep=1
+    )
 
 
 def _top_ids(completion) -> list[list[int]]:
