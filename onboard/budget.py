@@ -94,6 +94,7 @@ class ModelShape:
     hidden_size: int
     vocab_size: int
     intermediate_size: int = 0  # the dense MLP's (0: not in the config)
+    largest_file: int = 0  # the largest safetensors shard: what a reader may hold mapped at once
 
     @property
     def largest_layer(self) -> int:
@@ -115,8 +116,9 @@ def model_shape(path: Path) -> ModelShape:
     config = json.loads((Path(path) / "config.json").read_text())
     text = config.get("text_config") or config
     layers: dict[int, int] = {}
-    other = 0
+    other = largest = 0
     for file in sorted(Path(path).glob("*.safetensors")):
+        largest = max(largest, file.stat().st_size)
         for name, entry in _header(file).items():
             if name == "__metadata__":
                 continue
@@ -136,6 +138,7 @@ def model_shape(path: Path) -> ModelShape:
         hidden_size=int(text.get("hidden_size", 0)),
         vocab_size=int(text.get("vocab_size", 0)),
         intermediate_size=int(text.get("intermediate_size") or 0),
+        largest_file=largest,
     )
 
 
@@ -246,10 +249,21 @@ def plan_stage(
     raise OnboardError(f"{stage} needs about {need} {path}, over the {human(budget)} budget (--max-memory){how}")
 
 
-def plan_table(plans: list[StagePlan], budget: int):
+def plan_table(plans: list[StagePlan], budget: int, shape: ModelShape | None = None):
+    """The plans, and under them what the page cache needs beside the budget: a container's limit
+    counts it (`pagecache.py` writes back and drops what the stages write and read as they go)."""
     from rich.table import Table
 
-    table = Table(title=f"memory plan (budget {human(budget)})", title_justify="left")
+    from onboard.pagecache import INTERVAL
+
+    caption = None
+    if shape is not None and shape.largest_file:
+        caption = (
+            f"page cache besides: up to {human(shape.largest_file)} mapped while a checkpoint shard is read, "
+            f"and what a stage writes in {INTERVAL:g} s (written back as it goes); "
+            "leave that above --max-memory under a container's memory limit"
+        )
+    table = Table(title=f"memory plan (budget {human(budget)})", title_justify="left", caption=caption)
     for column in ("stage", "in memory", "streamed", "path", "peak held"):
         table.add_column(column, justify="right" if column in ("in memory", "streamed") else "left")
     for plan in plans:

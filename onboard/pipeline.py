@@ -151,7 +151,7 @@ def run_plan(ctx: StageContext, stages: list[str]) -> list[StagePlan]:
     from onboard.console import console
 
     plans = [stage_module(name).plan(ctx) for name in STAGE_MODULES if name in stages]
-    console.print(plan_table(plans, ctx.budget))
+    console.print(plan_table(plans, ctx.budget, ctx.shape))
     return plans
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 from safetensors import SafetensorError
 
-from onboard import atomic
+from onboard import atomic, pagecache
 from onboard.console import console as _console  # private here: its one home is onboard.console
 from onboard.errors import OnboardError
 from onboard.hashing import code_version, fingerprint, hash_json
@@ -255,8 +255,13 @@ class RunDir:
 
         stage = Stage(name=name, staging=staging, run=self)
         start = time.perf_counter()
+        # What the stage writes is written back and what it reads dropped as it goes: a container's
+        # memory limit counts the page cache (`pagecache.py`).
+        source = Path(inputs["model_path"]) if inputs.get("model_path") else self.source
+        read = [p for p in (source, self.root / ARTIFACT) if p is not None and p.exists()]
         try:
-            metrics = body(stage)
+            with pagecache.bounded(written=[staging], read=read):
+                metrics = body(stage)
             for out in outputs:
                 staged = staging / out
                 if not staged.exists():

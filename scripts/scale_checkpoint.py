@@ -1,13 +1,22 @@
-"""A random-weight DeepSeek-V3.2-shaped checkpoint of a chosen size, written shard by shard.
+"""A random-weight checkpoint of a real family's shape and a chosen size, written shard by shard.
 
-    python scripts/scale_checkpoint.py OUT_DIR --tokenizer DEMO_CHECKPOINT [--layers 26]
+    python scripts/scale_checkpoint.py OUT_DIR --tokenizer DEMO_CHECKPOINT [--family F] [--layers N]
 
-DeepSeek-V3.2's architecture (MLA with LoRA-compressed queries and latent KV, the DSA lightning
-indexer with its published heads and top-k, DeepSeek MoE with grouped routing, shared experts and
-dense first layers) at a width one 2-core machine can compute on: hidden 2048, 64 routed experts
-of 768, 8 per token, 16 heads.  One MoE layer is about 0.6 GB of bf16, so 26 layers make about
-16 GB.  Tensors are generated one at a time (seeded by name) and written in 2 GB shards, so the
-script itself never holds more than a shard; the tokenizer is the demo model's.
+Families (`--family`):
+* deepseek_v32 (the default): DeepSeek-V3.2's architecture (MLA with LoRA-compressed queries and
+  latent KV, the DSA lightning indexer with its published heads and top-k, DeepSeek MoE with
+  grouped routing, shared experts and dense first layers) at a width one 2-core machine can
+  compute on: hidden 2048, 64 routed experts of 768, 8 per token, 16 heads.  One MoE layer is
+  about 0.6 GB of bf16, so 26 layers make about 16 GB.
+* qwen3_moe: issue #37's Qwen3-MoE: hidden 1024, 64 experts of 768, top-8, 25 layers make 7.9 GB.
+* qwen3_5_moe: a Qwen3.5-MoE release of the same MoE (Gated DeltaNet on three layers in four, a
+  sigmoid-gated shared expert), as the Hub ships it: the VLM with a small vision tower, and an
+  MTP module under `mtp.*`.
+
+Names and shapes are the checkpoint's own (transformers' model built on the meta device, its
+conversions reverted: experts one by one).  Tensors are generated one at a time (seeded by name)
+and written in 2 GB shards, so the script itself never holds more than a shard; the tokenizer is
+the demo model's.
 """
 
 import argparse
@@ -23,7 +32,7 @@ SHARD_BYTES = 2 * 10**9
 STD = 0.02
 
 
-def config(layers: int, vocab: int) -> dict:
+def deepseek_v32(layers: int, vocab: int) -> dict:
     return {
         "architectures": ["DeepseekV32ForCausalLM"],
         "model_type": "deepseek_v32",
@@ -72,32 +81,98 @@ def config(layers: int, vocab: int) -> dict:
     }
 
 
+def qwen3_moe(layers: int, vocab: int) -> dict:
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        **_qwen_moe_text(layers, vocab),
+        "dtype": "bfloat16",
+    }
+
+
+def _qwen_moe_text(layers: int, vocab: int) -> dict:
+    return {
+        "vocab_size": vocab,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "moe_intermediate_size": 768,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+    }
+
+
+def qwen3_5_moe(layers: int, vocab: int) -> dict:
+    text = {
+        **_qwen_moe_text(layers, vocab),
+        "model_type": "qwen3_5_moe_text",
+        "shared_expert_intermediate_size": 768,
+        "layer_types": ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
+        "linear_num_key_heads": 8,
+        "linear_num_value_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "partial_rotary_factor": 0.25,
+        "mtp_num_hidden_layers": 1,
+    }
+    vision = {"depth": 2, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4, "out_hidden_size": 1024}
+    return {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": text,
+        "vision_config": vision,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+    }
+
+
+FAMILIES = {"deepseek_v32": deepseek_v32, "qwen3_moe": qwen3_moe, "qwen3_5_moe": qwen3_5_moe}
+ZERO_CENTRED_NORMS = {"qwen3_5_moe"}  # stored as w, applied as 1 + w: a zero is a scale of one
+
+
 def stored_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes as DeepSeek checkpoints store them (experts one by one)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Tensor names and shapes as the family's checkpoints store them (transformers' conversions
+    reverted on the meta device: experts one by one), its MTP module included."""
+    from transformers import AutoConfig
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from onboard.models.vlm import auto_model_class
 
     hf = AutoConfig.for_model(**cfg)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16)
-    shapes = {}
-    for name, tensor in model.state_dict().items():
-        prefix, _, leaf = name.rpartition("mlp.experts.")
-        if leaf == "gate_up_proj":
-            experts, rows, cols = tensor.shape
-            for e in range(experts):
-                shapes[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = (rows // 2, cols)
-                shapes[f"{prefix}mlp.experts.{e}.up_proj.weight"] = (rows // 2, cols)
-        elif leaf == "down_proj":
-            for e in range(tensor.shape[0]):
-                shapes[f"{prefix}mlp.experts.{e}.down_proj.weight"] = tuple(tensor.shape[1:])
-        else:
-            shapes[name] = tuple(tensor.shape)
+        model = auto_model_class(cfg).from_config(hf, dtype=torch.bfloat16)
+    model._weight_conversions = get_model_conversion_mapping(model, add_legacy=False)
+    shapes = {name: tuple(t.shape) for name, t in revert_weight_conversion(model, model.state_dict()).items()}
+    text = hf.get_text_config()
+    if getattr(text, "mtp_num_hidden_layers", 0):  # Qwen's `mtp.` module: one full-attention layer
+        decoder = model.get_decoder()
+        layer = decoder.layers[text.layer_types.index("full_attention")]
+        prefix = next(n for n in shapes if n.endswith("embed_tokens.weight")).removesuffix("embed_tokens.weight")
+        full = text.layer_types.index("full_attention")
+        for name, shape in list(shapes.items()):
+            if name.startswith(f"{prefix}layers.{full}."):
+                shapes["mtp.layers.0." + name.removeprefix(f"{prefix}layers.{full}.")] = shape
+        hidden = text.hidden_size
+        shapes["mtp.fc.weight"] = (hidden, 2 * hidden)
+        for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            shapes[f"mtp.{norm}.weight"] = (hidden,)
+        del decoder, layer
     return shapes
 
 
-def value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    if name.endswith(("norm.weight", "layernorm.weight")):
-        return torch.ones(shape, dtype=torch.bfloat16)
+def value(name: str, shape: tuple[int, ...], zero_centred: bool = False) -> torch.Tensor:
+    if name.endswith(("norm.weight", "layernorm.weight")) and "visual" not in name:
+        return (torch.zeros if zero_centred else torch.ones)(shape, dtype=torch.bfloat16)
     if name.endswith(("bias", "e_score_correction_bias")):
         return torch.zeros(shape, dtype=torch.float32 if "e_score" in name else torch.bfloat16)
     seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
@@ -109,13 +184,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--tokenizer", type=Path, required=True, help="a checkpoint whose tokenizer files to copy")
-    parser.add_argument("--layers", type=int, default=26)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="deepseek_v32")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: 26, 25 for the Qwens)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     vocab = json.loads((args.tokenizer / "config.json").read_text())["vocab_size"]
-    cfg = config(args.layers, vocab)
+    layers = args.layers or (26 if args.family == "deepseek_v32" else 25)
+    cfg = FAMILIES[args.family](layers, vocab)
     shapes = stored_shapes(cfg)
-    order = sorted(shapes, key=lambda n: (n.startswith("model.layers."), n))
+    zero_centred = args.family in ZERO_CENTRED_NORMS
+    order = sorted(shapes, key=lambda n: (".layers." in n, n))
     shards: list[list[str]] = [[]]
     size = 0
     for name in order:
@@ -128,7 +206,7 @@ def main() -> None:
     weight_map, total = {}, 0
     for i, names in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: value(name, shapes[name]) for name in names}
+        tensors = {name: value(name, shapes[name], zero_centred) for name in names}
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         save_file(tensors, args.out / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, file))
@@ -140,7 +218,7 @@ def main() -> None:
     for file in args.tokenizer.iterdir():
         if file.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
             shutil.copy(file, args.out / file.name)
-    print(f"{args.out}: {total / 1e9:.1f} GB in {len(shards)} shards, {args.layers} layers")
+    print(f"{args.out}: {total / 1e9:.1f} GB in {len(shards)} shards, {layers} layers")
 
 
 if __name__ == "__main__":
