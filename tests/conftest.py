@@ -90,6 +90,14 @@ def tiny_qwen3_5_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_glm5_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny GLM-5.3-Flash release (the VLM): two KDA layers, a NoPE MLA layer with the pooled DSA
+    indexer and one sharing its selection, hyper-connections, clamped MoE, a vision tower and an
+    MTP layer under `model.language_model.layers.4.*`. Shared: do not modify."""
+    return build_once(tmp_path_factory, "tiny_glm5_next", tiny_models.build_glm5_next)
+
+
+@pytest.fixture(scope="session")
 def tiny_mtp_deepseek_v3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny_deepseek_v3 with an MTP layer (model.layers.3.*). Shared: do not modify."""
     return build_once(

@@ -2,6 +2,7 @@
 oracle that knows the greedy continuation and proposes a wrong token at every third position
 (so every verification sees accepted and rejected proposals)."""
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -12,9 +13,11 @@ from onboard.engine.spec_decode import Speculator
 from onboard.speculator.draft import Eagle3Draft, draft_layer_config
 
 
-def seeded_draft(path: Path, engine: LLMEngine, vocab: torch.Tensor, seed: int) -> Eagle3Draft:
+def seeded_draft(
+    path: Path, engine: LLMEngine, vocab: torch.Tensor, seed: int, aux_layers: Sequence[int] = (0, 1)
+) -> Eagle3Draft:
     torch.manual_seed(seed)
-    draft = Eagle3Draft(draft_layer_config(AutoConfig.from_pretrained(path)), len(vocab), [0, 1])
+    draft = Eagle3Draft(draft_layer_config(AutoConfig.from_pretrained(path)), len(vocab), list(aux_layers))
     draft.set_vocab(vocab)
     target = engine.target_tensors()
     draft.init_from_target(target["embed_tokens"], target["lm_head"], target["norm"])

@@ -155,3 +155,25 @@ def test_every_stage_on_a_qwen3_5_moe_release(tiny_qwen3_5_moe: Path, tmp_path: 
         assert checks[name]["passed"], name
     selection = json.loads((out / "quantize" / "selection.json").read_text())
     assert selection["vision"]["tensors"] > 4 and "preprocessor_config.json" in selection["vision"]["processor_files"]
+
+
+@pytest.mark.slow
+def test_every_stage_on_a_glm5_next_release(tiny_glm5_next: Path, tmp_path: Path) -> None:
+    """GLM-5.3-Flash's VLM release (KDA over the state pool, NoPE MLA with a pooled-key DSA indexer,
+    hyper-connections, clamped experts, an MTP layer inside the language model) through every stage."""
+    out = tmp_path / "run"
+    code = run_pipeline(stage_context(tiny_glm5_next, None, overrides()), out, list(STAGES))
+    gate = json.loads((out / "gate.json").read_text())
+    assert gate["complete"] and code == (0 if gate["passed"] else 1)
+    parity = json.loads((out / "adapt" / "parity.json").read_text())
+    assert parity["engine_model"] == "Glm5NextModel" and parity["max_abs_logit_diff"] == 0.0
+    assert parity["index_sets"]["equal_rate"] == 1.0
+    checks = {c["name"]: c for c in gate["checks"]}
+    for name in ("vision_kept", "mtp_kept", "parity_top1_agreement", "batch_invariant"):
+        assert checks[name]["passed"], name
+    selection = json.loads((out / "quantize" / "selection.json").read_text())
+    assert selection["vision"]["tensors"] > 4 and selection["mtp"]["tensors"] > 0
+    # recipes/glm5_next.yaml keeps KDA's gates in BF16; the config names them as stored, too
+    assert selection["layers"]["model.language_model.layers.0.self_attn.f_a_proj"]["format"] == "bf16"
+    ignore = json.loads((out / "artifact" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert "model.language_model.layers.0.self_attn.f_a_proj" in ignore

@@ -569,6 +569,94 @@ def _add_qwen_mtp(out_dir: Path, seed: int, text: transformers.PretrainedConfig)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+# GLM-5.3-Flash's text model, small: two KDA layers, then a DSA layer that runs the pooled indexer
+# and one that shares its selection; layer 0 dense, the rest MoE (8 experts in 2 groups, top 2);
+# clamps that bind (random activations reach a few units); 4 hyper-connection streams.
+GLM5_NEXT_TEXT = dict(
+    layer_types=["linear_attention", "linear_attention", "deepseek_sparse_attention", "deepseek_sparse_attention"],
+    indexer_types=["full", "full", "full", "shared"],
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+    num_attention_heads=NUM_ATTENTION_HEADS,
+    num_key_value_heads=NUM_ATTENTION_HEADS,
+    kv_lora_rank=KV_LORA_RANK,
+    q_lora_rank=Q_LORA_RANK,
+    qk_nope_head_dim=QK_NOPE_HEAD_DIM,
+    qk_rope_head_dim=0,
+    v_head_dim=V_HEAD_DIM,
+    moe_intermediate_size=MOE_INTERMEDIATE_SIZE // 2,
+    n_routed_experts=NUM_ROUTED_EXPERTS,
+    num_experts_per_tok=NUM_EXPERTS_PER_TOK,
+    n_group=NUM_EXPERT_GROUPS,
+    topk_group=1,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    index_topk=8,  # two pools of 4 and the visible tail: sparse from 12 keys on
+    index_kpool=4,
+    index_head_dim=INDEX_HEAD_DIM,
+    index_n_heads=INDEX_N_HEADS,
+    swiglu_limit=1.5,
+    linear_num_heads=4,
+    linear_head_dim=HEAD_DIM,
+    linear_conv_kernel_dim=4,
+    hc_mult=4,
+    hc_sinkhorn_iters=3,
+)
+GLM5_NEXT_VISION = dict(
+    depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=HIDDEN_SIZE, patch_size=4,
+    projection_intermediate_size=64,
+)  # fmt: skip
+
+
+def build_glm5_next(out_dir: Path, seed: int = 0) -> Path:
+    """A tiny GLM-5.3-Flash release as the Hub ships it (`Glm5NextForConditionalGeneration`): the
+    text model under `model.language_model.` (`GLM5_NEXT_TEXT`), a vision tower under
+    `model.visual.`, a preprocessor config, and one MTP layer in the DeepSeek layout,
+    `model.language_model.layers.{N}.*` (a DSA decoder block with its hyper-connections and MoE,
+    plus `enorm`, `hnorm`, `eh_proj`, `shared_head.norm` and copies of the embedding and the
+    head), counted by `text_config.num_nextn_predict_layers`.  Built as an N+1-layer model whose
+    last layer becomes the block."""
+    glm = transformers.models.glm5_next
+    main = len(GLM5_NEXT_TEXT["layer_types"])
+    text = dict(_common_kwargs(), tie_word_embeddings=False, **GLM5_NEXT_TEXT)
+    for key in ("head_dim", "intermediate_size"):
+        text.pop(key)
+    text.update(num_hidden_layers=main + 1, intermediate_size=INTERMEDIATE_SIZE)
+    for key, last in (
+        ("layer_types", "deepseek_sparse_attention"),
+        ("indexer_types", "full"),
+        ("mlp_layer_types", "sparse"),
+    ):
+        text[key] = [*text[key], last]
+    config = glm.Glm5NextConfig(
+        text_config=glm.Glm5NextTextConfig(**text).to_dict(),
+        vision_config=glm.Glm5NextVisionConfig(**GLM5_NEXT_VISION).to_dict(),
+        tie_word_embeddings=False,
+    )
+    out_dir = Path(out_dir)
+    _make_model(config.model_type, seed, config, transformers.AutoModelForImageTextToText).save_pretrained(out_dir)
+    build_tokenizer(out_dir)
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2) + "\n")
+    from safetensors.torch import load_file
+
+    weights = load_file(out_dir / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed + 1)
+    prefix = f"model.language_model.layers.{main}."
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        weights[f"{prefix}{norm}.weight"] = torch.ones(HIDDEN_SIZE, dtype=torch.bfloat16)
+    eh_proj = torch.randn(HIDDEN_SIZE, 2 * HIDDEN_SIZE, generator=gen) * LINEAR_STD
+    weights[f"{prefix}eh_proj.weight"] = eh_proj.to(torch.bfloat16)
+    weights[f"{prefix}embed_tokens.weight"] = weights["model.language_model.embed_tokens.weight"].clone()
+    weights[f"{prefix}shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((out_dir / "config.json").read_text())
+    raw["text_config"]["num_hidden_layers"] = main
+    for key in ("layer_types", "indexer_types", "mlp_layer_types"):
+        raw["text_config"][key] = raw["text_config"][key][:main]
+    raw["text_config"]["num_nextn_predict_layers"] = 1
+    (out_dir / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    return out_dir
+
+
 def build_engine_lacks(out_dir: Path) -> Path:
     """A Llama-4-shaped checkpoint dir (transformers knows `llama4`, the engine does not): only what
     is read before any stage runs, a config and one tensor in the VLM wrapper's names."""

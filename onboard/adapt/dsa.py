@@ -4,17 +4,22 @@ import torch
 
 
 def reference_selections(model, token_ids: list[int]) -> dict[int, torch.Tensor]:
-    """Per layer that runs an indexer, transformers' selection as a `[T, T]` bool matrix (causal part)."""
+    """Per layer that runs an indexer, transformers' selection as a `[T, T]` bool matrix (causal part).
+    An index of -1 selects nothing (GLM-5.3-Flash's pooled indexer pads its rows with it)."""
+    from onboard.evaluate.replay import decoder_layers
+
     picked: dict[int, torch.Tensor] = {}
     hooks = []
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(decoder_layers(model)):  # a VLM's text model's too
         indexer = getattr(layer.self_attn, "indexer", None)
         if indexer is None:
             continue
 
         def hook(_module, _args, output, i=i):
             t = output.shape[1]
-            chosen = torch.zeros(t, t, dtype=torch.bool, device=output.device).scatter_(-1, output[0].long(), True)
+            index = output[0].long()
+            index = torch.where(index >= 0, index, t)  # into a spare column, dropped
+            chosen = torch.zeros(t, t + 1, dtype=torch.bool, device=output.device).scatter_(-1, index, True)[:, :t]
             picked[i] = (chosen & torch.ones_like(chosen).tril()).cpu()
 
         hooks.append(indexer.register_forward_hook(hook))

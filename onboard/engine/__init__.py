@@ -66,6 +66,7 @@ _EXPORTS = {
     "kv_layout_for": "onboard.engine.models",
     "supported_architectures": "onboard.engine.models",
     "uses_mla": "onboard.engine.models",
+    "draft_input": "onboard.engine.layers.residual",
 }
 
 __all__ = [  # spelled out so that linters and type checkers read it; equal to _EXPORTS's keys
@@ -87,6 +88,7 @@ __all__ = [  # spelled out so that linters and type checkers read it; equal to _
     "UnsupportedArchitecture",
     "check_num_logprobs",
     "checkpoint_linears",
+    "draft_input",
     "engine_model_name",
     "kv_layout_for",
     "supported_architectures",
@@ -100,6 +102,7 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and IDEs
     from onboard.engine.layer_stepper import LayerStepper, checkpoint_linears
     from onboard.engine.layers.mha import LlamaAttention
     from onboard.engine.layers.mlp import LlamaMLP
+    from onboard.engine.layers.residual import draft_input
     from onboard.engine.linear import EngineLinear
     from onboard.engine.llm_engine import Completion, LLMEngine, RequestOutput
     from onboard.engine.logprobs import MAX_LOGPROBS, check_num_logprobs

@@ -31,4 +31,5 @@ class StepContext:
 @dataclass
 class ModelOutput:
     hidden: torch.Tensor  # [T, H] final-normed hidden states of the step's tokens
-    aux_hidden_states: list[torch.Tensor]  # the inputs of decoder layers `aux_layers`, each [T, H]
+    # the inputs of decoder layers `aux_layers`, each [T, H] ([T, hc, H]: hyper-connection streams)
+    aux_hidden_states: list[torch.Tensor]

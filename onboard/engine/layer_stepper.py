@@ -95,19 +95,20 @@ class LayerStepper:
 
     @torch.inference_mode()
     def embed(self, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
-        """The embeddings `[T, H]` of `token_ids`: the first decoder layer's input."""
+        """The embeddings `[T, H]` of `token_ids` as the first decoder layer's input (a
+        hyper-connection family's streams `[T, hc, H]`)."""
         ids = torch.as_tensor(token_ids, dtype=torch.long).to(self.device)
-        return F.embedding(ids, self._model.embed_tokens)
+        return self._model.open_streams(F.embedding(ids, self._model.embed_tokens))
 
     @torch.inference_mode()
     def run_decoder_layer(self, layer: torch.nn.Module, hidden: torch.Tensor, step: StepContext) -> torch.Tensor:
-        """`layer`'s output `[T, H]` on its input `hidden` `[T, H]`, in `step` (`prefill`)."""
+        """`layer`'s output on its input `hidden` (`[T, H]`, or streams), in `step` (`prefill`)."""
         return layer.forward(hidden, step)
 
     @torch.inference_mode()
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's final norm of the last layer's output `[T, H]`."""
-        return self._model.norm.forward(hidden)
+        """The model's final norm of the last layer's output `[T, H]` (streams closed first)."""
+        return self._model.norm.forward(self._model.close_streams(hidden))
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -311,7 +311,8 @@ class LLMEngine:
         self, token_ids: list[int], aux_layers: Seq[int] = (), trace: dict | None = None
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One sequence teacher-forced: the final normed hidden states [T, H] and the inputs of
-        decoder layers `aux_layers` (each [T, H]), as the engine computes them when serving."""
+        decoder layers `aux_layers` (each [T, H]; a hyper-connection family's streams [T, hc, H], as
+        transformers' `hidden_states`), as the engine computes them when serving."""
         return self.batched_hidden_states([token_ids], aux_layers, trace)[0]
 
     @torch.inference_mode()

@@ -12,6 +12,7 @@ from onboard.engine.config import EngineConfig
 from onboard.engine.context import StepContext
 from onboard.engine.kernel_measure import choose_kernels
 from onboard.engine.kv_cache import KVCache
+from onboard.engine.layers.residual import draft_input
 from onboard.engine.models import model_class
 from onboard.engine.scheduler import ScheduledSeq
 from onboard.engine.state_cache import StateCache
@@ -22,9 +23,10 @@ from onboard.models.vlm import text_model_config
 @dataclass
 class StepResult:
     """float32 logits of the step's sampling and verification rows (in `prepare`'s order), the aux
-    hidden states `[T, len(aux_layers) * H]` of every computed token (None when no aux layer was
-    asked for), and per sequence scoring its prompt (seq_id ->) the float32 logits
-    `[item.num_prompt_rows, V]` of its leading new tokens, each scoring the prompt token after it."""
+    hidden states `[T, len(aux_layers) * H]` of every computed token (hyper-connection streams
+    closed, `draft_input`; None when no aux layer was asked for), and per sequence scoring its
+    prompt (seq_id ->) the float32 logits `[item.num_prompt_rows, V]` of its leading new tokens,
+    each scoring the prompt token after it."""
 
     logits: torch.Tensor
     aux: torch.Tensor | None
@@ -142,7 +144,7 @@ class ModelRunner:
                 {seq_id: rows for p in parts for seq_id, rows in p.prompt_logits.items()},
             )
         batch, out = self._forward(scheduled, aux_layers, None, numerics)
-        aux = torch.cat(out.aux_hidden_states, dim=-1) if aux_layers else None
+        aux = draft_input(out.aux_hidden_states) if aux_layers else None
         if len(batch.logits_indices) == 0:
             return StepResult(torch.empty(0, self.vocab_size), aux)
         # One projection over all rows, in position order, so a prompt scored in one chunk gets

@@ -13,7 +13,13 @@ first, as `models/moe_artifact.py` loads the whole model.
 
 transformers 5 holds a plain checkpoint's MoE experts as fused 3-D tensors that checkpoints
 store per expert; the per-layer load stacks them as its conversion mapping does (gate and up
-concatenated).
+concatenated), and applies the mapping's renamings and concatenations (GLM-5.3-Flash: `hc_attn_fn`
+is `attn_hc.fn`, `self_attn.f_a_proj` is `self_attn.forget_gate.f_a_proj`, the q/k/v convs one).
+Parameters the family keeps in float32 (`_keep_in_fp32_modules_strict`) are float32 here too.
+
+With hyper-connections (`hc_mult`) the residual is streams `[b, T, hc, d]`: `open_streams` makes
+the first layer's input from the embeddings, and `norm()` closes them (the family's `hc_head`)
+before the final norm.
 """
 
 import copy
@@ -27,7 +33,11 @@ import torch
 from safetensors import safe_open
 
 from onboard.errors import OnboardError
+from onboard.models.conversion import convert_names, keep_in_fp32
 
+# Text models whose every layer takes the 2-D padding mask (GLM-5.3-Flash: its DSA indexer builds
+# each query's keys, causality included, and KDA reads padding only); NoPE, no rotary.
+_PADDING_MASK_ONLY = {"glm5_next_text"}
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -95,7 +105,9 @@ class CheckpointLayers:
 
         from onboard.models.vlm import read_config, wrapper_of
 
-        self.wrapper = wrapper_of(read_config(path))  # a VLM's text tensors sit under its prefix
+        top = read_config(path)
+        self.wrapper = wrapper_of(top)  # a VLM's text tensors sit under its prefix
+        self.model_type = str(top.get("model_type", ""))  # the conversion mapping's key
         config = copy.deepcopy(config)  # the engine keeps its own
         config._attn_implementation = "sdpa"
         self.quantization = None
@@ -115,6 +127,8 @@ class CheckpointLayers:
             shell = AutoModel.from_config(config, dtype=dtype)
         self.layer_cls = type(shell.layers[0])
         self.norm_cls = type(shell.norm)
+        hc_head = getattr(shell, "hc_head", None)  # closes hyper-connection streams (parameterless)
+        self.hc_head_cls = None if hc_head is None else type(hc_head)
         rotary = getattr(shell, "rotary_emb", None)
         self.rotary = None if rotary is None else type(rotary)(config).to(device)
         self.keep_fp32 = set(getattr(shell, "_keep_in_fp32_modules_strict", None) or [])
@@ -142,16 +156,13 @@ class CheckpointLayers:
 
         with no_init_weights():  # every parameter is loaded from the checkpoint below
             module = self.layer_cls(self.config, index).to(self.dtype)
-        for name, buffer in list(module.named_buffers()):
-            if any(key in name for key in self.keep_fp32):
-                owner, _, leaf = name.rpartition(".")
-                setattr(module.get_submodule(owner) if owner else module, leaf, buffer.float())
+        keep_in_fp32(module, self.keep_fp32)
         prefix = f"model.layers.{index}."
         if self.quantization is not None:
-            module = self._compressed(module, index, self.tensors(prefix))
+            module = self._compressed(module, index, convert_names(self.tensors(prefix), self.model_type))
         else:
             wanted = set(module.state_dict())
-            tensors = fuse_experts(self.tensors(prefix), wanted)
+            tensors = fuse_experts(convert_names(self.tensors(prefix), self.model_type), wanted)
             missing = sorted(wanted - set(tensors))
             if missing:
                 raise OnboardError(f"layerwise parity: model.layers.{index} has no stored {missing[0]}")
@@ -186,15 +197,27 @@ class CheckpointLayers:
         return parent.layers[str(index)]
 
     def norm(self) -> torch.nn.Module:
+        """The final norm (after the hyper-connection head, where the family has one)."""
         norm = self.norm_cls(self.config.hidden_size, eps=self.config.rms_norm_eps)
         norm.load_state_dict({"weight": self.tensors("model.norm.")["weight"]})
+        if self.hc_head_cls is not None:
+            norm = torch.nn.Sequential(self.hc_head_cls(), norm)
         return norm.to(device=self.device, dtype=self.dtype)
+
+    def open_streams(self, embeds: torch.Tensor) -> torch.Tensor:
+        """The first layer's input from the embeddings `[b, T, d]`: `hc_mult` copies `[b, T, hc, d]`
+        where the family has hyper-connections, as its text model's forward makes them."""
+        hc = getattr(self.config, "hc_mult", None)
+        return embeds if hc is None else embeds.unsqueeze(2).expand(-1, -1, hc, -1).contiguous()
 
     def layer_kwargs(self, module: torch.nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
         """What the whole model's forward hands decoder layer `module` for `hidden` `[b, T, d]`: its
         mask (a linear-attention layer reads a padding mask, none here, not the causal one), the
         positions and the rotary embeddings (Qwen3.5's MRoPE takes a position per grid axis, text
         the same three times; a NoPE model has none)."""
+        if self.config.model_type in _PADDING_MASK_ONLY:
+            padding = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+            return {"attention_mask": padding, "position_ids": position_ids, "position_embeddings": None}
         linear = getattr(module, "layer_type", None) == "linear_attention"
         rope_ids = (
             position_ids.expand(3, *position_ids.shape) if hasattr(self.rotary, "mrope_section") else position_ids

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, PreTrainedModel
 
 from onboard.models.compressed import fill_compressed
+from onboard.models.conversion import convert_names, keep_in_fp32
 from onboard.models.mtp import mtp_prefixes
 from onboard.models.vlm import auto_model_class, text_config
 
@@ -37,11 +38,14 @@ def load_quantized_moe(path: Path, dtype: torch.dtype, trust_remote_code: bool) 
     del config.quantization_config
     model = auto_model_class(stored).from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     linearize_moe(model)
+    keys = {k for m in model.modules() for k in getattr(m, "_keep_in_fp32_modules_strict", None) or []}
+    keep_in_fp32(model, keys)  # from_config makes them bf16; from_pretrained would not
     state = {}
     for file in sorted(path.glob("*.safetensors")):
         state.update(load_file(file))
     # MTP layers the artifact carries (quantize/mtp_carry.py) are no part of transformers' model.
     mtp = tuple(mtp_prefixes(stored, state))
     state = {name: tensor for name, tensor in state.items() if not (mtp and name.startswith(mtp))}
+    state = convert_names(state, str(stored.get("model_type", "")))  # the family's renamings
     fill_compressed(model, quantization, state, f"{path} (linearized)")
     return model

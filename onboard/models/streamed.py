@@ -45,7 +45,7 @@ class StreamedModel:
         """The first layer's input for ids [b, T]; `table`: `embedding_table()`, read once by a caller
         embedding many batches."""
         table = self.embedding_table() if table is None else table
-        return torch.nn.functional.embedding(input_ids.to(self.parts.device), table), None
+        return self.parts.open_streams(torch.nn.functional.embedding(input_ids.to(self.parts.device), table)), None
 
     def layer(self, index: int) -> torch.nn.Module:
         return self.parts.layer(index)

@@ -9,6 +9,8 @@ import torch
 from datasets import Dataset
 
 from onboard import atomic
+from onboard.models.conversion import renamed
+from onboard.models.headers import safetensors_entries
 from onboard.quantize.schemes import SCHEMES
 from onboard.recipes import Method, Quantize
 
@@ -91,6 +93,28 @@ def patterns_first(artifact: Path) -> None:
     ordered = sorted(groups.values(), key=lambda group: not any(t.startswith("re:") for t in group["targets"]))
     config["quantization_config"]["config_groups"] = {f"group_{i}": group for i, group in enumerate(ordered)}
     atomic.write_text(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def ignores_as_stored(artifact: Path) -> None:
+    """Name each ignored module in the saved `config.json` also as the checkpoint stores it.
+
+    transformers saves the weights under the checkpoint's names (its conversion mapping reversed:
+    GLM-5.3-Flash's `self_attn.f_a_proj`), while compressed-tensors writes `ignore` in the loaded
+    model's module names (`self_attn.forget_gate.f_a_proj`); a loader that matches stored names
+    (vLLM, the reference engine) would take the module as quantized and find it unpacked."""
+    path = artifact / "config.json"
+    if not path.is_file():  # under torchrun only rank 0 saves
+        return
+    config = json.loads(path.read_text())
+    quantization = config.get("quantization_config") or {}
+    ignore = quantization.get("ignore") or []
+    model_type = str(config.get("model_type", ""))
+    modules = {name.rsplit(".", 1)[0] for name in safetensors_entries(artifact)}
+    as_stored = {renamed(f"{m}.weight", model_type).removesuffix(".weight"): m for m in modules}
+    extra = sorted({as_stored[e] for e in ignore if as_stored.get(e, e) != e} - set(ignore))
+    if extra:
+        quantization["ignore"] = [*ignore, *extra]
+        atomic.write_text(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _quantizer(cls, groups: list[tuple[str, list[str]]], options: dict):

@@ -211,6 +211,7 @@ def run_quantize(
         # an offloaded model is gathered one shard at a time.
         model.save_pretrained(artifact, save_compressed=True, max_shard_size=SHARD_SIZE)
         modifiers.patterns_first(artifact)
+        modifiers.ignores_as_stored(artifact)
         tokenizer.save_pretrained(artifact)
         if auto and not in_place:
             auto["artifact_kld"] = artifact_kld(selection.replay, artifact)

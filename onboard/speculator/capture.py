@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from onboard.engine import draft_input
 from onboard.speculator.data import TrainingSequence
 from onboard.speculator.progress import Rate, rate_progress
 
@@ -66,7 +67,7 @@ class ShardWriter:
             {
                 "input_ids": torch.tensor(seq.token_ids, dtype=torch.int64),
                 "num_prompt_tokens": torch.tensor(seq.num_prompt_tokens),
-                "aux": torch.cat(list(aux), dim=-1).to(torch.bfloat16).cpu().contiguous(),
+                "aux": draft_input(list(aux)).to(torch.bfloat16).cpu().contiguous(),
                 "final": final.to(torch.bfloat16).cpu().contiguous(),
             }
         )

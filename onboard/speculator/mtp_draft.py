@@ -21,7 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from onboard.errors import OnboardError
-from onboard.models.mtp import declared_mtp_layers
+from onboard.models.mtp import UNSERVED_MTP, declared_mtp_layers
 from onboard.speculator.draft import DraftStep, additive_mask, ttt_unroll
 
 
@@ -121,6 +121,8 @@ def load_mtp_draft(path: Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor
         raise OnboardError(f"{path} has no MTP layers (num_nextn_predict_layers and model.layers.N.* tensors)")
     if count != 1:
         raise OnboardError(f"{path} has {count} MTP layers; the engine serves one (vLLM serves more: --engine vllm)")
+    if stored.get("model_type") in UNSERVED_MTP:
+        raise OnboardError(f"{path}: the engine does not serve its MTP layers: {UNSERVED_MTP[stored['model_type']]}")
     if module_layout(stored, None):  # Qwen's `mtp.` module
         from onboard.speculator.qwen_mtp_draft import load_qwen_mtp_draft
 

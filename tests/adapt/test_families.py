@@ -74,13 +74,28 @@ def _prompts(path: Path) -> list[list[int]]:
     return parity_prompts(load_tokenizer(inspect_checkpoint(path)), 3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3_moe", "tiny_qwen3_5", "tiny_qwen3_5_moe", *MLA_FIXTURES])
+@pytest.mark.parametrize(
+    ("arch", "dtype"),
+    [
+        *(
+            pytest.param(arch, dtype, id=f"{arch}-{name}")
+            for arch in ["tiny_llama", "tiny_qwen3_moe", "tiny_qwen3_5", "tiny_qwen3_5_moe", *MLA_FIXTURES]
+            for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))
+        ),
+        # bf16 only: its fp32 whole-model parity is tests/engine/test_glm5_next.py's (a third of the cost)
+        pytest.param("tiny_glm5_next", torch.bfloat16, id="tiny_glm5_next-bf16"),
+    ],
+)
 def test_layerwise_parity_agrees_with_whole_model(arch: str, dtype: torch.dtype, request, whole_parity) -> None:
+    """GLM-5.3-Flash's layers take and give hyper-connection streams and hand a selection on."""
     path = request.getfixturevalue(arch)
     layerwise = measure_layerwise(path, _prompts(path), dtype)
     config_layers = len(layerwise["layers"])
-    assert config_layers == (tiny_models.DEEPSEEK_LAYERS if "deepseek" in arch or "glm" in arch else 2)
+    if arch == "tiny_glm5_next":
+        assert config_layers == len(tiny_models.GLM5_NEXT_TEXT["layer_types"])
+        assert whole_parity(arch, dtype)["index_sets"]["equal_rate"] == 1.0  # the pooled indexer's picks
+    else:
+        assert config_layers == (tiny_models.DEEPSEEK_LAYERS if "deepseek" in arch or "glm" in arch else 2)
     assert layerwise["passed"] and layerwise["first_failing_layer"] is None
     whole = whole_parity(arch, dtype)  # PROMPTS prompts, the layerwise ones among them
     # Both proofs agree: whole-model logits match exactly where every layer does.

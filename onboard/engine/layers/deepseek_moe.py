@@ -22,6 +22,8 @@ same code) op for op, so bf16 outputs match it bit for bit on CPU:
   expert, in ascending expert order, in the compute dtype.
 * shared experts: one MLP (intermediate `moe_intermediate_size * n_shared_experts`) on the block's
   input, added to the routed output in the compute dtype.
+* `swiglu_limit` (GLM-5.3-Flash): every expert and the shared one clamp their gate and up
+  projections (`mlp.py`); the routing is the same code (`Glm5NextTextTopkRouter`).
 
 On CUDA (sm80+) transformers' `grouped_mm` is one grouped GEMM kernel, not per-expert cuBLAS GEMMs:
 there expect a match up to GEMM reduction order only (not measured yet).
@@ -93,7 +95,14 @@ class DeepseekMoE(torch.nn.Module):
     transformers, to "grouped_mm" when unset; "eager" reproduces the index_add loop.
     """
 
-    def __init__(self, config: Any, weights: WeightSource, prefix: str, experts_implementation: str | None = None):
+    def __init__(
+        self,
+        config: Any,
+        weights: WeightSource,
+        prefix: str,
+        experts_implementation: str | None = None,
+        swiglu_limit: float | None = None,
+    ):
         super().__init__()
         self.num_experts = getattr(config, "n_routed_experts", None) or config.num_local_experts
         self.top_k = config.num_experts_per_tok
@@ -113,9 +122,9 @@ class DeepseekMoE(torch.nn.Module):
             requires_grad=False,
         )
         self.experts = torch.nn.ModuleList(
-            LlamaMLP(config, weights, f"{prefix}.experts.{e}") for e in range(self.num_experts)
+            LlamaMLP(config, weights, f"{prefix}.experts.{e}", swiglu_limit) for e in range(self.num_experts)
         )
-        self.shared_experts = LlamaMLP(config, weights, f"{prefix}.shared_experts")
+        self.shared_experts = LlamaMLP(config, weights, f"{prefix}.shared_experts", swiglu_limit)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(routing weights float32 `[T, k]`, expert indices `[T, k]`) for `x` `[T, H]`."""

@@ -22,7 +22,10 @@ Queries come from `q_proj` or, with `q_lora_rank`, `q_b_proj(norm(q_a_proj(x)))`
 kv_a_proj_with_mqa are one fused linear when the source can fuse them.  RoPE is interleaved as
 DeepSeek applies it (`rope_interleave`, and always on V3.2 and GLM-5), or half-split; YaRN's
 mscale enters both the cos/sin tables and the softmax scale (`mscale_all_dim`), as in
-transformers.  With a DSA indexer (`dsa.py`), each query attends only to its selected keys.
+transformers.  With a DSA indexer (`dsa.py`, `dsa_pool.py`), each query attends only to its
+selected keys.  `qk_rope_head_dim = 0` is MLA without RoPE (GLM-5.3-Flash): nothing is rotated, no
+cos/sin tables are read, the latent row is `kv_lora_rank` wide and the scale is `qk_nope_head_dim**-0.5`
+(transformers splits off an empty RoPE key and concatenates it back, which changes nothing).
 """
 
 import math
@@ -67,6 +70,7 @@ class MLAttention(torch.nn.Module):
         interleaved: bool,
         indexer: Indexer | None = None,
         shares_selection: bool = False,
+        latent_norm_eps: float = _LATENT_NORM_EPS,
     ):
         super().__init__()
         self.layer_idx = layer_idx
@@ -87,10 +91,9 @@ class MLAttention(torch.nn.Module):
         else:
             self.qkv_a_proj, split = fused_or_split(weights, [f"{prefix}.q_a_proj", kv_a])
             self.q_a_proj, self.kv_a_proj = split if split is not None else (None, None)
-            eps = _LATENT_NORM_EPS
-            self.q_a_layernorm = RMSNorm(weights.tensor(f"{prefix}.q_a_layernorm.weight"), eps)
+            self.q_a_layernorm = RMSNorm(weights.tensor(f"{prefix}.q_a_layernorm.weight"), latent_norm_eps)
             self.q_b_proj = weights.linear(f"{prefix}.q_b_proj")
-        self.kv_a_layernorm = RMSNorm(weights.tensor(f"{prefix}.kv_a_layernorm.weight"), _LATENT_NORM_EPS)
+        self.kv_a_layernorm = RMSNorm(weights.tensor(f"{prefix}.kv_a_layernorm.weight"), latent_norm_eps)
         self.kv_b_proj = weights.linear(f"{prefix}.kv_b_proj")
         self.o_proj = weights.linear(f"{prefix}.o_proj")
         # Fast numerics decode in the absorbed form only in float32: in 16-bit dtypes its other
@@ -113,6 +116,8 @@ class MLAttention(torch.nn.Module):
             self.w_uv_t = kv_b[:, self.nope :].transpose(1, 2).contiguous()  # [h, rank, v]
 
     def _rotate(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        if self.rope == 0:
+            return x
         cos, sin = ctx.tables["cos"], ctx.tables["sin"]
         return apply_rotary_interleaved(x, cos, sin) if self.interleaved else apply_rotary(x, cos, sin)
 

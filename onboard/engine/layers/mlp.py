@@ -1,4 +1,8 @@
-"""The gated MLP, down(act(gate(x)) * up(x)): llama's MLP, and one MoE expert."""
+"""The gated MLP, down(act(gate(x)) * up(x)): llama's MLP, and one MoE expert.
+
+`swiglu_limit` clamps as GLM-5.3-Flash's MLPs and experts do (transformers' `Glm5NextTextMLP` and
+`Glm5NextTextExperts._apply_gate`): the gate from above at the limit, the up projection to
+[-limit, limit], before the product."""
 
 from typing import Any
 
@@ -9,16 +13,19 @@ from onboard.engine.layers.weight_source import WeightSource, fused_or_split
 
 
 class LlamaMLP(torch.nn.Module):
-    def __init__(self, config: Any, weights: WeightSource, prefix: str):
+    def __init__(self, config: Any, weights: WeightSource, prefix: str, swiglu_limit: float | None = None):
         super().__init__()
         self.gate_up_proj, split = fused_or_split(weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
         self.gate_proj, self.up_proj = split if split is not None else (None, None)
         self.down_proj = weights.linear(f"{prefix}.down_proj")
         self.act_fn = ACT2FN[config.hidden_act]
+        self.limit = swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
         return self.down_proj.forward(self.act_fn.forward(gate) * up)

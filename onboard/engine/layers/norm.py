@@ -1,4 +1,5 @@
-"""RMSNorm as transformers computes it: the llama and deepseek families, and Qwen3.5's zero-centred and gated forms."""
+"""RMSNorm as transformers computes it: the llama and deepseek families, Qwen3.5's zero-centred and
+gated forms, and KDA's sigmoid-gated one."""
 
 import torch
 
@@ -46,3 +47,14 @@ class GatedRMSNorm(RMSNorm):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight * h.to(dtype)
         return (h * torch.nn.functional.silu(gate.to(torch.float32))).to(dtype)
+
+
+class SigmoidGatedRMSNorm(RMSNorm):
+    """The norm that closes a KDA head (Kimi Linear, GLM-5.3-Flash): `w * norm(x) * sigmoid(gate)`
+    all in float32, the weight included, cast back once (transformers' `*RMSNormGated`, op for op)."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight.to(torch.float32) * h
+        return (h * torch.sigmoid(gate.to(torch.float32))).to(x.dtype)

@@ -29,3 +29,10 @@ def fused_or_split(
         return weights.fused_linear(list(prefixes)), None
     except NotFusable:
         return None, [weights.linear(p) for p in prefixes]
+
+
+def fp32_tensor(weights: WeightSource, name: str) -> torch.Tensor:
+    """A tensor transformers holds in float32 whatever the load dtype (`_keep_in_fp32_modules_strict`):
+    the stored values, not rounded to the compute dtype first."""
+    raw = getattr(weights, "raw", None)
+    return (raw(name) if raw is not None else weights.tensor(name)).to(torch.float32)

@@ -9,6 +9,7 @@ from typing import Any
 from onboard.engine.models.base import DecoderModel
 from onboard.engine.models.deepseek_v3 import DeepseekV3Model
 from onboard.engine.models.glm4_moe import Glm4MoeModel
+from onboard.engine.models.glm5_next import Glm5NextModel
 from onboard.engine.models.lacking import LACKING
 from onboard.engine.models.llama import LlamaModel
 from onboard.engine.models.qwen3_5 import Qwen3_5Model, Qwen3_5MoeModel
@@ -30,6 +31,7 @@ MODEL_REGISTRY: dict[str, type[DecoderModel]] = {
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeModel,
     "Qwen3_5ForConditionalGeneration": Qwen3_5Model,  # the VLM release: its text model (models/vlm.py)
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeModel,
+    "Glm5NextForConditionalGeneration": Glm5NextModel,  # GLM-5.3-Flash: KDA, NoPE MLA + pooled DSA, mHC
 }
 
 GUIDE = "docs/adding-an-architecture.md"
@@ -81,6 +83,7 @@ __all__ = [
     "DecoderModel",
     "DeepseekV3Model",
     "Glm4MoeModel",
+    "Glm5NextModel",
     "LlamaModel",
     "Qwen3MoeModel",
     "Qwen3_5Model",

@@ -7,12 +7,20 @@ EAGLE-3 draft reads; index `num_hidden_layers` is the final-normed state, what M
 family says how to build one decoder layer (`make_layer`), what it caches (`kv_layout`) and what
 per-step tables its layers need (`prepare`, e.g. RoPE cos/sin).
 
+The residual between layers is one stream `[T, H]`, or, for a family with hyper-connections
+(GLM-5.3-Flash's mHC, `layers/residual.py`), `hc_mult` streams `[T, hc, H]`: the family opens them
+from the embeddings (`open_streams`) and closes them before the final norm (`close_streams`), and
+each decoder layer's residual objects take them around its attention and MLP.  An aux layer's
+input is then the streams `[T, hc, H]`, as transformers' `hidden_states[i]` has them (the last,
+index `num_hidden_layers`, is still the final-normed `[T, H]`).
+
 Numerics follow transformers' modeling code op for op in the compute dtype (RMSNorm in float32
 then cast, weight multiplied last; residual adds and the lm_head in the compute dtype, logits
 cast to float32 at the end).
 """
 
 from abc import abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,13 +30,15 @@ from onboard.engine.batch import ForwardBatch
 from onboard.engine.context import ModelOutput, StepContext
 from onboard.engine.kv_cache import KVLayout
 from onboard.engine.layers.norm import RMSNorm
+from onboard.engine.layers.residual import Residual
 from onboard.engine.layers.weight_source import WeightSource
 from onboard.engine.linear import EngineLinear
 from onboard.engine.state_cache import StateLayout
 
 
 class DecoderLayer(torch.nn.Module):
-    """x + attn(norm(x)), then x + mlp(norm(x))."""
+    """x + attn(norm(x)), then x + mlp(norm(x)); `residuals` (attention's, MLP's) replace the two
+    additions (hyper-connections: the sub-layers then see the streams collapsed)."""
 
     def __init__(
         self,
@@ -38,6 +48,7 @@ class DecoderLayer(torch.nn.Module):
         attn: torch.nn.Module,
         mlp: torch.nn.Module,
         norm: type[RMSNorm] = RMSNorm,
+        residuals: Sequence[Residual] | None = None,
     ):
         super().__init__()
         eps = config.rms_norm_eps
@@ -45,10 +56,11 @@ class DecoderLayer(torch.nn.Module):
         self.self_attn = attn
         self.post_attention_layernorm = norm(weights.tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
         self.mlp = mlp
+        self.attn_residual, self.mlp_residual = residuals or (Residual(), Residual())
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = x + self.self_attn.forward(self.input_layernorm.forward(x), ctx)
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+        x = self.attn_residual.forward(x, lambda h: self.self_attn.forward(self.input_layernorm.forward(h), ctx))
+        return self.mlp_residual.forward(x, lambda h: self.mlp.forward(self.post_attention_layernorm.forward(h)))
 
 
 class DecoderModel(torch.nn.Module):
@@ -96,16 +108,24 @@ class DecoderModel(torch.nn.Module):
     def prepare(self, batch: ForwardBatch, ctx: StepContext) -> None:
         """Per-step tables the layers share (into `ctx.tables`)."""
 
+    def open_streams(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """The first layer's input from the embeddings `[T, H]`: one stream, as they are."""
+        return embeddings
+
+    def close_streams(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's output as the final norm's input `[T, H]`."""
+        return x
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, ctx: StepContext) -> ModelOutput:
         self.prepare(batch, ctx)
-        x = F.embedding(batch.input_ids.to(self.device, non_blocking=True), self.embed_tokens)
+        x = self.open_streams(F.embedding(batch.input_ids.to(self.device, non_blocking=True), self.embed_tokens))
         aux = []
         for i, layer in enumerate(self.layers):
             if i in ctx.aux_layers:
                 aux.append(x)
             x = layer.forward(x, ctx)
-        final = self.norm.forward(x)
+        final = self.norm.forward(self.close_streams(x))
         if len(self.layers) in ctx.aux_layers:  # transformers' last hidden_states entry: what MTP reads
             aux.append(final)
         return ModelOutput(final, aux)

@@ -8,9 +8,8 @@ An entry is removed when its family is added to `MODEL_REGISTRY` (a test keeps t
 LACKING: dict[str, str] = {
     "qwen3_next": "the fused in_proj_qkvz/in_proj_ba weights of its Gated DeltaNet, and routed experts with a "
     "sigmoid-gated shared expert",
-    "glm5_next": "KDA linear attention with a per-sequence recurrent state, NoPE MLA, a DSA indexer over pooled "
-    "keys, hyper-connections, clamped SwiGLU experts and the VLM wrapper",
-    "kimi_linear": "KDA linear attention with a per-sequence recurrent state and NoPE MLA",
+    "kimi_linear": "MLA whose shared RoPE key is cached but never rotated, a causal-mask MLA layer beside its KDA "
+    "layers (layers/kda.py serves KDA) and Moonshot's block_sparse_moe.experts.*.w1/w2/w3 names",
     "deepseek_v4": "compressed sparse attention (CSA/HCA), attention sinks, trailing partial rotary, "
     "hyper-connections, sqrtsoftplus and hash routing, clamped SwiGLU experts and an FP8/FP4 source",
     "nemotron_h": "Mamba2 layers with a per-sequence recurrent state, NoPE attention and relu² experts",
