@@ -38,7 +38,8 @@ test: setup
 # where two kernels happen to round alike fails here, on any x86 machine.
 test-isa: setup
 	ONEDNN_MAX_CPU_ISA=AVX512_CORE $(PYTEST) tests/adapt tests/engine/test_models.py \
-		tests/engine/test_fast_numerics.py tests/engine/test_qwen3_5.py tests/speculator/test_mtp_draft.py
+		tests/engine/test_fast_numerics.py tests/engine/test_qwen3_5.py tests/engine/test_glm5_next.py \
+		tests/speculator/test_mtp_draft.py
 
 # Line coverage of onboard/ over `make test`'s tests, subprocesses and forked children included
 # (pyproject.toml's [tool.coverage.run]): the figure a change to the tests must not lower.

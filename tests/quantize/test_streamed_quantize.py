@@ -17,7 +17,8 @@ from onboard.workspace import RunDir
 
 SETTINGS = Quantize(calibration=Calibration(num_samples=4, max_seq_length=64))
 # deepseek_v3: a float32 routing bias; deepseek_v32: an experts layout onboard registers
-FAMILIES = ["tiny_llama", "tiny_qwen3_moe", "tiny_deepseek_v3", "tiny_deepseek_v32", "tiny_qwen3_5_moe"]
+# DeepSeek-V3.2 holds DeepSeek-V3's layers and its indexer besides.
+FAMILIES = ["tiny_llama", "tiny_qwen3_moe", "tiny_deepseek_v32", "tiny_qwen3_5_moe"]
 
 
 def streaming_budget(checkpoint: Path, settings: Quantize) -> int:

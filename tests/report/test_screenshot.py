@@ -45,7 +45,8 @@ def test_every_card_holds_its_content(full_run_dir: Path, width: int) -> None:
     assert shot.overflowing(write_report(full_run_dir), width) == []
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek_v3", "deepseek_v32", "glm_moe_dsa"])
+# The mixed runs the tests below build anyway (test_mla_artifacts.py's CASES: DeepSeek-V3's MLA names).
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
 def test_each_familys_report_fits_its_cards(family: str, quantized_run, request, tmp_path: Path) -> None:
     """The quantize card of each family's mixed-precision run (its module names, its formats): the
     run test_mla_artifacts.py and test_nvfp4_format.py build."""
