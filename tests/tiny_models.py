@@ -337,6 +337,20 @@ def build_model(out_dir: Path, arch: str, seed: int = 0) -> Path:
 
 # The real releases' layer counts: transformers' MtpModel finds the MTP layers by their real index
 # (its `_keys_to_ignore_on_load_unexpected` pattern), so the main stacks are this deep.
+def _add_mtp_glue(weights: dict[str, torch.Tensor], model: str, index: int, seed: int) -> None:
+    """Make decoder layer `index` under `model` (`model.` or a VLM's `model.language_model.`) a
+    DeepSeek-layout MTP block: `enorm`, `hnorm`, `eh_proj`, `shared_head.norm` and copies of the
+    embedding and the head."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    prefix = f"{model}layers.{index}."
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        weights[f"{prefix}{norm}.weight"] = torch.ones(HIDDEN_SIZE, dtype=torch.bfloat16)
+    eh_proj = torch.randn(HIDDEN_SIZE, 2 * HIDDEN_SIZE, generator=gen) * LINEAR_STD
+    weights[f"{prefix}eh_proj.weight"] = eh_proj.to(torch.bfloat16)
+    weights[f"{prefix}embed_tokens.weight"] = weights[f"{model}embed_tokens.weight"].clone()
+    weights[f"{prefix}shared_head.head.weight"] = weights["lm_head.weight"].clone()
+
+
 MTP_MAIN_LAYERS = {"deepseek_v3": 61, "deepseek_v32": 61, "glm_moe_dsa": 78}
 
 
@@ -376,14 +390,7 @@ def build_mtp_model(
     _make_model(arch, seed, config).save_pretrained(out_dir)
     build_tokenizer(out_dir)
     weights = load_file(out_dir / "model.safetensors")
-    gen = torch.Generator().manual_seed(seed + 1)
-    prefix = f"model.layers.{main}."
-    for norm in ("enorm", "hnorm", "shared_head.norm"):
-        weights[f"{prefix}{norm}.weight"] = torch.ones(HIDDEN_SIZE, dtype=torch.bfloat16)
-    eh_proj = torch.randn(HIDDEN_SIZE, 2 * HIDDEN_SIZE, generator=gen) * LINEAR_STD
-    weights[f"{prefix}eh_proj.weight"] = eh_proj.to(torch.bfloat16)
-    weights[f"{prefix}embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
-    weights[f"{prefix}shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    _add_mtp_glue(weights, "model.", main, seed)
     if residual_scale != 1.0:
         for name in list(weights):
             layer, _, rest = name.removeprefix("model.layers.").partition(".")
@@ -639,14 +646,7 @@ def build_glm5_next(out_dir: Path, seed: int = 0) -> Path:
     from safetensors.torch import load_file
 
     weights = load_file(out_dir / "model.safetensors")
-    gen = torch.Generator().manual_seed(seed + 1)
-    prefix = f"model.language_model.layers.{main}."
-    for norm in ("enorm", "hnorm", "shared_head.norm"):
-        weights[f"{prefix}{norm}.weight"] = torch.ones(HIDDEN_SIZE, dtype=torch.bfloat16)
-    eh_proj = torch.randn(HIDDEN_SIZE, 2 * HIDDEN_SIZE, generator=gen) * LINEAR_STD
-    weights[f"{prefix}eh_proj.weight"] = eh_proj.to(torch.bfloat16)
-    weights[f"{prefix}embed_tokens.weight"] = weights["model.language_model.embed_tokens.weight"].clone()
-    weights[f"{prefix}shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    _add_mtp_glue(weights, "model.language_model.", main, seed)
     save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
     raw = json.loads((out_dir / "config.json").read_text())
     raw["text_config"]["num_hidden_layers"] = main

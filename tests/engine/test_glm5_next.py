@@ -9,30 +9,24 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from speculation import OracleSpeculator, seeded_draft
+from state_family import (
+    NEW_TOKENS,
+    check_fast_numerics,
+    check_preemption,
+    check_rollback,
+    check_slots_given_back,
+    drained,
+    engine,
+    greedy,
+    greedy_reference,
+    prompts,
+)
 
 from onboard.adapt.dsa import compare_selections
-from onboard.adapt.parity import compare_greedy
-from onboard.engine.config import EngineConfig
-from onboard.engine.llm_engine import LLMEngine
 from onboard.engine.models import kv_layout_for, model_class
-from onboard.engine.sampler import SamplingParams
 from onboard.engine.weights import CheckpointWeights
 from onboard.errors import OnboardError
 from onboard.models.vlm import text_model_config
-
-LENGTHS = (3, 17, 70, 130)  # shorter than the conv kernel, one KDA chunk, two, three
-NEW_TOKENS = 12
-ENGINE = {"block_size": 4, "num_blocks": 256, "max_model_len": 256}
-
-
-def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(5)
-    return [torch.randint(3, 500, (n,), generator=gen).tolist() for n in LENGTHS]
-
-
-def greedy(**kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, **kwargs)
 
 
 def load(path: Path, dtype: torch.dtype):
@@ -46,28 +40,7 @@ def hf(tiny_glm5_next: Path):
 
 @pytest.fixture(scope="module")
 def reference(hf) -> list[list[int]]:
-    """transformers' greedy continuations, each prompt alone."""
-    out = []
-    for prompt in prompts():
-        tokens = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS
-        )
-        out.append(tokens[0, len(prompt) :].tolist())
-    return out
-
-
-def engine(path: Path, dtype: torch.dtype = torch.bfloat16, **overrides) -> LLMEngine:
-    return LLMEngine(path, EngineConfig(**{**ENGINE, **overrides}), dtype=dtype)
-
-
-def drained(llm: LLMEngine) -> bool:
-    llm._block_manager.check_invariants([])  # raises unless every block and state slot is back
-    stats = llm.stats()
-    return (
-        not llm.has_unfinished()
-        and stats["state_slots_used"] == 0
-        and stats["num_free_blocks"] == llm.config.num_blocks
-    )
+    return greedy_reference(hf)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -163,65 +136,17 @@ def test_batched_decode_gives_each_prompts_greedy_tokens(tiny_glm5_next: Path, r
 
 
 def test_preempted_sequences_recompute_their_state(tiny_glm5_next: Path, reference) -> None:
-    """Three prompts admitted in 24 of 28 blocks outgrow them while decoding."""
-    llm = engine(tiny_glm5_next, num_blocks=28, max_model_len=112)
-    outs = llm.generate(prompts()[:3], greedy())
-    assert llm.stats()["num_preemptions"] > 0
-    assert [o.token_ids for o in outs] == reference[:3]
-    assert drained(llm)
+    check_preemption(tiny_glm5_next, reference)
 
 
 def test_rejected_draft_tokens_roll_the_state_back(tiny_glm5_next: Path) -> None:
-    """Every verification accepts some proposals and rejects the rest: the state kept is the one
-    after the last accepted token, so the tokens are plain decoding's (float32: a k + 1-row GEMM
-    rounds as a 1-row one).  The draft reads the final-normed state (aux layer N, `[T, H]`)."""
-    llm = engine(tiny_glm5_next, torch.float32)
-    prompt = prompts()[2]
-    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    (plain,) = llm.generate([prompt], params)
-    num_layers = llm._runner.hf_config.num_hidden_layers
-    draft = seeded_draft(tiny_glm5_next, llm, torch.arange(llm.vocab_size), seed=0, aux_layers=[num_layers])
-    llm.speculator = OracleSpeculator(draft, 3, prompt + plain.token_ids)
-    (spec,) = llm.generate([prompt], params)
-    assert spec.token_ids == plain.token_ids
-    stats = llm.speculator.stats
-    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    assert drained(llm) and llm._runner.state_checkpoints == {}
+    """The draft reads the final-normed state (aux layer N, `[T, H]`)."""
+    check_rollback(tiny_glm5_next, 3, aux_layers=lambda llm: [llm._runner.hf_config.num_hidden_layers])
 
 
 def test_fast_numerics_within_the_near_tie_rule_and_batch_invariant(tiny_glm5_next: Path, hf, reference) -> None:
-    llm = engine(tiny_glm5_next, numerics="fast", max_num_batched_tokens=64)
-    outs = llm.generate(prompts(), greedy(logprobs=5))
-    for out, want, prompt in zip(outs, reference, prompts(), strict=True):
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + want])).logits[0, len(prompt) - 1 : -1]
-        reference_top = logits.float().topk(5).indices.tolist()
-        engine_top = [[t for t, _ in entry["top"]] for entry in out.logprobs]
-        assert compare_greedy(out.token_ids, want, engine_top, reference_top).near_tie
-    assert drained(llm)
-    # Batch invariant where each prompt is prefilled whole: the KDA layers decode the step's
-    # sequences in one batch, each row's bits its lone decode's.
-    llm = engine(tiny_glm5_next, numerics="fast")
-    batched = llm.generate(prompts(), greedy(logprobs=5))
-    for out, prompt in zip(batched, prompts(), strict=True):
-        (alone,) = llm.generate([prompt], greedy(logprobs=5))
-        assert alone.token_ids == out.token_ids and alone.logprobs == out.logprobs
+    check_fast_numerics(tiny_glm5_next, hf, reference)
 
 
-def test_state_slots_are_given_back_over_many_requests(tiny_glm5_next: Path) -> None:
-    """Finished, aborted and preempted sequences all give their slot back; 8 slots serve 200
-    requests (fast numerics: one forward per step)."""
-    llm = engine(tiny_glm5_next, numerics="fast", max_num_seqs=8, num_blocks=64, max_model_len=64)
-    gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=0)
-    for i in range(200):
-        llm.add_request(
-            torch.randint(3, 500, (int(torch.randint(2, 24, (1,), generator=gen)),), generator=gen).tolist(), params
-        )
-        if i % 7 == 0:
-            llm.step()
-        if i % 50 == 0 and llm._scheduler.running:
-            llm.abort(llm._scheduler.running[-1].seq_id)
-    while llm.has_unfinished():
-        llm.step()
-    assert drained(llm)
+def test_state_slots_are_given_back_over_a_thousand_requests(tiny_glm5_next: Path) -> None:
+    check_slots_given_back(tiny_glm5_next, 1000)
