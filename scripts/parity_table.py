@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import tiny_models
 
-from onboard.adapt.stage import measure_parity
+from onboard.adapt.measure import measure_parity
 from onboard.models import inspect_checkpoint
 from onboard.quantize.stage import run_quantize
 from onboard.recipes import Calibration, Quantize, recipe_for

@@ -48,7 +48,8 @@ from onboard.recipes import SpeculatorSettings
 from onboard.speculator.capture import capture_shards, combine_captures
 from onboard.speculator.data import TRAFFIC, default_aux_layers, draft_vocabulary, generate_responses, training_prompts
 from onboard.speculator.measure import held_out_prompts, measure_acceptance
-from onboard.speculator.stage import build_draft, engine_config
+from onboard.speculator.plan import engine_config
+from onboard.speculator.stage import build_draft
 from onboard.speculator.teacher import data_files_key, resolve_data_files, teacher_forced_answers, teacher_forced_code
 from onboard.speculator.train import TrainSettings, train_draft
 from onboard.workspace import RunDir

@@ -105,7 +105,7 @@ def fast_numerics(parity: dict[str, Any]) -> dict[str, Any] | None:
     return as_dict(parity.get("fast")) or None
 
 
-# parity.json's `rule` (onboard/adapt/stage.py): what judged the run, in words.
+# parity.json's `rule` (onboard/adapt/measure.py): what judged the run, in words.
 PARITY_RULES = {
     "bitwise": "every logit and greedy token transformers' own",
     "near_tie": "greedy text parts from transformers' only at near-ties",

@@ -202,7 +202,7 @@ def test_decode_agreement_continues_from_the_reference_cache_where_the_tokens_pa
     token, by transformers decoding it: the same log probabilities as decoding it from scratch."""
     from types import SimpleNamespace
 
-    from onboard.adapt.stage import _decode_agreement, _reference_greedy
+    from onboard.adapt.measure import _decode_agreement, _reference_greedy
 
     checkpoint = inspect_checkpoint(tiny_llama)
     model = load_model(checkpoint, torch.float32)

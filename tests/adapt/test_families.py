@@ -7,7 +7,7 @@ import tiny_models
 import torch
 
 from onboard.adapt.layerwise import measure_layerwise
-from onboard.adapt.stage import measure_parity, parity_prompts
+from onboard.adapt.measure import measure_parity, parity_prompts
 from onboard.engine.models.deepseek_v3 import DeepseekV3Model
 from onboard.models import inspect_checkpoint, load_tokenizer
 

@@ -30,7 +30,7 @@ SCRIPT = """
 import json, sys, torch
 if sys.argv[1] == "off":
     torch.backends.mkldnn.enabled = False
-from onboard.adapt.stage import measure_parity
+from onboard.adapt.measure import measure_parity
 from onboard.models import inspect_checkpoint
 for path in sys.argv[2:]:
     r = measure_parity(inspect_checkpoint(path), torch.bfloat16, num_prompts=2)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from onboard.adapt.layerwise import MAX_LINEAR_RATIO, measure_layerwise
-from onboard.adapt.stage import measure_parity, parity_prompts
+from onboard.adapt.measure import measure_parity, parity_prompts
 from onboard.engine.linear import EngineLinear
 from onboard.engine.models.llama import LlamaModel
 from onboard.errors import OnboardError

@@ -84,7 +84,7 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> dic
 def test_each_methods_artifact_loads_with_engine_parity(artifacts, tiny_llama: Path, name: str) -> None:
     """A plain compressed-tensors NVFP4 checkpoint whichever lever made it: transformers loads it,
     and the engine computes it as transformers does (adapt's rule for W4A4 artifacts)."""
-    from onboard.adapt.stage import measure_parity
+    from onboard.adapt.measure import measure_parity
 
     artifact = artifacts[name]
     config = json.loads((artifact / "config.json").read_text())["quantization_config"]

@@ -144,7 +144,7 @@ def test_artifact_keeps_the_recipe_formats(built, arch: str, fmt: str) -> None:
 def test_engine_serves_the_artifact_as_compressed_tensors_computes_it(built, arch: str, fmt: str) -> None:
     """The engine's linears hold exactly the weights compressed-tensors decompresses, and the
     engine's logits match transformers' on the artifact: teacher-forced top-1 and greedy text."""
-    from onboard.adapt.stage import measure_parity
+    from onboard.adapt.measure import measure_parity
     from onboard.engine.weights import CheckpointWeights
 
     done = built(arch, fmt)

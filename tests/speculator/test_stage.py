@@ -10,7 +10,8 @@ from build_once import copy_of
 from onboard.errors import OnboardError
 from onboard.recipes import Calibration, Quantize, SpeculatorSettings
 from onboard.speculator.data import iter_sequences
-from onboard.speculator.stage import capture_key, engine_config, run_speculator
+from onboard.speculator.plan import capture_key, engine_config
+from onboard.speculator.stage import run_speculator
 from onboard.speculator.teacher import resolve_data_files
 from onboard.workspace import RunDir
 

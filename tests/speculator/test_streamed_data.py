@@ -20,14 +20,13 @@ from onboard.models.streamed import StreamedModel
 from onboard.recipes import Calibration, Quantize, SpeculatorSettings
 from onboard.speculator.capture import capture_shards
 from onboard.speculator.data import TrainingSequence, iter_sequences
-from onboard.speculator.stage import (
-    build_draft,
+from onboard.speculator.plan import (
     generated_tokens,
-    run_speculator,
     speculator_peaks,
     speculator_plan,
     streamed_tokens_bound,
 )
+from onboard.speculator.stage import build_draft, run_speculator
 from onboard.speculator.streamed import capture_streamed
 from onboard.speculator.streamed_stage import streamed_sequences
 from onboard.speculator.target import checkpoint_draft, checkpoint_tensors
