@@ -100,9 +100,10 @@ def check_fast_numerics(path: Path, hf, reference: list[list[int]]) -> None:
         assert alone.token_ids == out.token_ids and alone.logprobs == out.logprobs
 
 
-def check_slots_given_back(path: Path, requests: int) -> None:
+def check_slots_given_back(path: Path, requests: int = 320) -> None:
     """Finished, aborted and preempted sequences all give their slot back: 8 slots serve
-    `requests` requests (fast numerics: one forward per step)."""
+    `requests` requests, 20 of them aborted mid-run (fast numerics: one forward per step). One slot
+    kept per abort would leave none after 8."""
     llm = engine(path, numerics="fast", max_num_seqs=8, num_blocks=64, max_model_len=64)
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=0)
@@ -112,7 +113,7 @@ def check_slots_given_back(path: Path, requests: int) -> None:
         )
         if i % 7 == 0:
             llm.step()
-        if i % 50 == 0 and llm._scheduler.running:
+        if i % (requests // 20) == 0 and llm._scheduler.running:
             llm.abort(llm._scheduler.running[-1].seq_id)
     while llm.has_unfinished():
         llm.step()
