@@ -84,7 +84,12 @@ class KLStats:
         ref = torch.log_softmax(ref_logits.float(), dim=-1)
         top = ref.argmax(-1, keepdim=True)
         cand_logp = cand_logp.double()
-        cand_top = token_ids.gather(-1, cand_logp.argmax(-1, keepdim=True))
+        # Tied top log-probabilities go to the lowest token id, as argmax over a vocabulary does
+        # in process: a server lists tied tokens in its sort's order, which differs by kernel.
+        returned = token_ids >= 0
+        best = cand_logp.masked_fill(~returned, -torch.inf).amax(-1, keepdim=True)
+        tied = returned & (cand_logp == best)
+        cand_top = torch.where(tied, token_ids, torch.iinfo(token_ids.dtype).max).amin(-1, keepdim=True)
         hit = token_ids == top
         smallest = cand_logp.masked_fill(token_ids < 0, torch.inf).amin(-1)
         q_top = torch.where(hit.any(-1), torch.where(hit, cand_logp, -torch.inf).amax(-1), smallest)

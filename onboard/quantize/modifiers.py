@@ -239,6 +239,21 @@ def _rotations_without_embedding_centering():
 
 
 @contextmanager
+def _autoround_in_bf16_on_every_cpu():
+    """auto-round tunes a BF16 model on CPU in BF16 where cpuid reports avx512_bf16 and casts the
+    whole model to float32 where not: other numerics, twice the memory, and an artifact that
+    depends on the CPU. torch runs BF16 on every x86 CPU, so it is the one choice here."""
+    from auto_round.utils.device_manager import CpuARDevice
+
+    supports = CpuARDevice.supports_bf16
+    CpuARDevice.supports_bf16 = lambda self: True
+    try:
+        yield
+    finally:
+        CpuARDevice.supports_bf16 = supports
+
+
+@contextmanager
 def _autoround_leaves_other_modifiers_modules():
     """llm-compressor 0.14's AutoRound tells auto-round to skip only the target modules with no
     scheme, so a pinned module another modifier quantizes (an FP8 `o_proj` next to NVFP4) was
@@ -266,6 +281,7 @@ def apply(model: torch.nn.Module, tokenizer, recipe, dataset: Dataset | None, ma
         _pinning_only_with_accelerator(),
         _rotations_without_embedding_centering(),
         _autoround_leaves_other_modifiers_modules(),
+        _autoround_in_bf16_on_every_cpu(),
     ):
         _oneshot(model, tokenizer, recipe, dataset, max_seq_length)
 

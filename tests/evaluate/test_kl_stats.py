@@ -136,6 +136,23 @@ def test_identical_logits() -> None:
     assert summary["ppl_reference"] == summary["ppl_quantized"]
 
 
+def test_tied_top_tokens_agree_in_any_order_a_server_lists_them() -> None:
+    """A server lists tied tokens in its sort's order; scored from that list, the candidate's top
+    token is the lowest id among the tied, as argmax over the whole vocabulary picks in process."""
+    quant = torch.tensor([[0.0, 2.0, 1.0, 2.0], [3.0, 1.0, 3.0, 3.0]])
+    ref = torch.tensor([[0.0, 2.5, 1.0, 2.0], [3.0, 1.0, 2.0, 2.5]])
+    targets = torch.tensor([1, 0])
+    in_process = KLStats()
+    in_process.update(ref, quant, targets)
+    logp = torch.log_softmax(quant, -1)
+    for order in ([3, 1, 2, 0], [3, 2, 0, 1]), ([1, 3, 0, -1], [2, 3, 0, -1]):
+        ids = torch.tensor(order)
+        cand = torch.where(ids >= 0, logp.gather(-1, ids.clamp(min=0)), -torch.inf)
+        scored = KLStats()
+        scored.update_scored(ref, ids, cand, logp.gather(-1, targets[:, None])[:, 0], targets)
+        assert scored.summary()["top1_agreement"] == in_process.summary()["top1_agreement"] == 1.0
+
+
 def test_kl_never_negative() -> None:
     """Rounding can make a near-zero KL come out slightly negative; it must not."""
     gen = torch.Generator().manual_seed(2)

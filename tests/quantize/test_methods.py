@@ -80,6 +80,20 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> dic
     }
 
 
+def test_autoround_keeps_bf16_on_a_cpu_without_bf16_instructions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto-round asks cpuid whether the CPU has avx512_bf16 and, where not, tunes the whole model
+    cast to float32; inside onboard's oneshot the answer is BF16 on every CPU (a CPU with none is
+    simulated by auto-round's own cached answer)."""
+    from auto_round.utils.device_manager import CpuARDevice
+
+    from onboard.quantize import modifiers
+
+    monkeypatch.setattr(CpuARDevice, "_bf16_supported", False, raising=False)
+    assert not CpuARDevice("cpu").supports_bf16()
+    with modifiers._autoround_in_bf16_on_every_cpu():
+        assert CpuARDevice("cpu").supports_bf16()
+
+
 @pytest.mark.parametrize("name", ARTIFACT_METHODS)
 def test_each_methods_artifact_loads_with_engine_parity(artifacts, tiny_llama: Path, name: str) -> None:
     """A plain compressed-tensors NVFP4 checkpoint whichever lever made it: transformers loads it,
