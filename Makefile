@@ -6,7 +6,7 @@ PROFILE ?= quick
 # torch is installed on its own first, pinned, so that nothing later pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: setup demo test test-isa coverage lint clean interop
+.PHONY: setup demo test test-dist test-isa coverage lint clean interop
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,12 @@ demo: setup
 PYTEST := $(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=10
 
 test: setup
-	$(PYTEST) -m "not interop"
+	$(PYTEST) -m "not interop and not multiprocess and not isa"
+
+# The tests that start several torch processes (torchrun's ranks) of their own: beside make test's
+# two workers they would fight them for the two cores, so they run here, one at a time.
+test-dist: setup
+	$(BIN)/python -m pytest -q --durations=5 -m multiprocess
 
 # The parity tests on tiny models again with oneDNN capped at AVX512_CORE (no bf16 or AMX
 # instructions: other kernels, which sum some rows in another order): a proof that holds only
@@ -45,7 +50,8 @@ test-isa: setup
 # (pyproject.toml's [tool.coverage.run]): the figure a change to the tests must not lower.
 coverage: setup
 	rm -rf .coverage-data && mkdir .coverage-data
-	$(BIN)/python -m coverage run -m pytest -q -n 2 --dist worksteal -m "not interop"
+	$(BIN)/python -m coverage run -m pytest -q -n 2 --dist worksteal -m "not interop and not multiprocess and not isa"
+	$(BIN)/python -m coverage run -m pytest -q -m "multiprocess or isa"
 	$(BIN)/python -m coverage combine -q
 	$(BIN)/python -m coverage report --skip-covered --sort=cover | tail -n 25
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.isa  # processes of their own under other kernels: `make test-isa` runs them
+
 # AVX512_CORE is `make test-isa`'s cap, under which CI runs every parity test again.
 SETTINGS = {
     "avx2": ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, "on"),

@@ -28,6 +28,7 @@ def _errors(done: subprocess.CompletedProcess) -> str:
     return "\n".join(lines[-20:]) or done.stderr[-2000:]
 
 
+@pytest.mark.multiprocess  # torchrun ranks: `make test-dist` runs them alone
 def test_two_ranks_write_one_process_artifact(tiny_llama: Path, tmp_path: Path, capsys) -> None:
     """The calibration samples split across two ranks give the artifact one process gives (streamed),
     byte for byte, and a second torchrun finds the stage done on every rank."""

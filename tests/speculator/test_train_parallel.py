@@ -31,6 +31,8 @@ from onboard.speculator.stage import build_draft, run_speculator
 from onboard.speculator.train import TrainSettings, train_draft
 from onboard.workspace import RunDir, read_manifest
 
+pytestmark = pytest.mark.multiprocess  # gloo ranks of their own: `make test-dist` runs them alone
+
 SETTINGS = TrainSettings(epochs=3, batch_sequences=3, max_seq_len=64, ttt_steps=2, learning_rate=1e-3)
 WORLD = 2
 
