@@ -12,6 +12,8 @@ Families (`--family`):
 * qwen3_5_moe: a Qwen3.5-MoE release of the same MoE (Gated DeltaNet on three layers in four, a
   sigmoid-gated shared expert), as the Hub ships it: the VLM with a small vision tower, and an
   MTP module under `mtp.*`.
+* glm5_next: a GLM-5.3-Flash release (the VLM) of the same width: KDA on three layers in four,
+  NoPE MLA with the pooled-key DSA indexer on the fourth, hyper-connections, 64 clamped experts.
 
 Names and shapes are the checkpoint's own (transformers' model built on the meta device, its
 conversions reverted: experts one by one).  Tensors are generated one at a time (seeded by name)
@@ -135,7 +137,63 @@ def qwen3_5_moe(layers: int, vocab: int) -> dict:
     }
 
 
-FAMILIES = {"deepseek_v32": deepseek_v32, "qwen3_moe": qwen3_moe, "qwen3_5_moe": qwen3_5_moe}
+def glm5_next(layers: int, vocab: int) -> dict:
+    """GLM-5.3-Flash's release layout (the VLM) at Qwen3-MoE's width: KDA on three layers in four,
+    NoPE MLA with the pooled-key DSA indexer on every fourth, hyper-connections over four streams,
+    a dense first layer, then 64 clamped SwiGLU experts of 768 (8 per token, sigmoid routing in
+    groups) and a shared one. No MTP layer (its DeepSeek-layout glue is built by the tiny fixture
+    only)."""
+    text = {
+        "model_type": "glm5_next_text",
+        "vocab_size": vocab,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": layers,
+        "layer_types": ["deepseek_sparse_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
+        "indexer_types": ["full"] * layers,
+        "mlp_layer_types": ["dense"] + ["sparse"] * (layers - 1),
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "q_lora_rank": 512,
+        "kv_lora_rank": 256,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 0,
+        "v_head_dim": 128,
+        "n_routed_experts": 64,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5,
+        "index_topk": 512,
+        "index_kpool": 4,
+        "index_head_dim": 64,
+        "index_n_heads": 8,
+        "swiglu_limit": 7.0,
+        "linear_num_heads": 16,
+        "linear_head_dim": 64,
+        "linear_conv_kernel_dim": 4,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 3,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+    }
+    vision = {"depth": 2, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4, "out_hidden_size": 1024}
+    return {
+        "architectures": ["Glm5NextForConditionalGeneration"],
+        "model_type": "glm5_next",
+        "text_config": text,
+        "vision_config": vision,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+    }
+
+
+FAMILIES = {"deepseek_v32": deepseek_v32, "qwen3_moe": qwen3_moe, "qwen3_5_moe": qwen3_5_moe, "glm5_next": glm5_next}
 ZERO_CENTRED_NORMS = {"qwen3_5_moe"}  # stored as w, applied as 1 + w: a zero is a scale of one
 
 
@@ -185,11 +243,13 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--tokenizer", type=Path, required=True, help="a checkpoint whose tokenizer files to copy")
     parser.add_argument("--family", choices=sorted(FAMILIES), default="deepseek_v32")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: 26, 25 for the Qwens)")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="decoder layers (default: 26, 25 for the Qwens, 24 for GLM-5.3-Flash)"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     vocab = json.loads((args.tokenizer / "config.json").read_text())["vocab_size"]
-    layers = args.layers or (26 if args.family == "deepseek_v32" else 25)
+    layers = args.layers or {"deepseek_v32": 26, "glm5_next": 24}.get(args.family, 25)
     cfg = FAMILIES[args.family](layers, vocab)
     shapes = stored_shapes(cfg)
     zero_centred = args.family in ZERO_CENTRED_NORMS

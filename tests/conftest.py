@@ -90,6 +90,12 @@ def tiny_qwen3_5_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Qwen3-Next: Qwen3.5-MoE's layers with fused Gated DeltaNet projections. Shared: do not modify."""
+    return build_once(tmp_path_factory, "tiny_qwen3_next", tiny_models.build_qwen3_next)
+
+
+@pytest.fixture(scope="session")
 def tiny_glm5_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny GLM-5.3-Flash release (the VLM): two KDA layers, a NoPE MLA layer with the pooled DSA
     indexer and one sharing its selection, hyper-connections, clamped MoE, a vision tower and an

@@ -528,6 +528,27 @@ def build_qwen3_5_moe(out_dir: Path, seed: int = 0) -> Path:
     return build_qwen3_5(out_dir, seed, moe=True)
 
 
+def build_qwen3_next(out_dir: Path, seed: int = 0) -> Path:
+    """A tiny Qwen3-Next (`Qwen3NextForCausalLM`, text only): Qwen3.5-MoE's layers with Gated
+    DeltaNet's fused `in_proj_qkvz`/`in_proj_ba` (two value heads per key head, so the per-group
+    regrouping shows), a dense MLP on layer 0 (`mlp_only_layers`) and routed experts with the gated
+    shared expert on layer 1."""
+    config = transformers.Qwen3NextConfig(
+        **_common_kwargs(),
+        tie_word_embeddings=False,
+        **QWEN3_5_LINEAR,
+        num_experts=NUM_EXPERTS,
+        num_experts_per_tok=NUM_EXPERTS_PER_TOK,
+        moe_intermediate_size=MOE_INTERMEDIATE_SIZE,
+        shared_expert_intermediate_size=MOE_INTERMEDIATE_SIZE,
+        mlp_only_layers=[0],
+    )
+    out_dir = Path(out_dir)
+    _make_model("qwen3_next", seed, config).save_pretrained(out_dir)
+    build_tokenizer(out_dir)
+    return out_dir
+
+
 def build_gemma3_text(out_dir: Path, seed: int = 0) -> Path:
     """A tiny Gemma 3 text model (`Gemma3ForCausalLM`: sandwich norms, zero-centred norms, scaled
     embeddings): a family the engine does not serve."""

@@ -1,6 +1,6 @@
-"""Qwen3.5 and Qwen3.5-MoE in the engine (Gated DeltaNet over the per-sequence state pool, output-gated attention
-with partial RoPE, zero-centred norms) against transformers' torch path, in exact numerics:
-prefill bit for bit, decode, prefill chunked across the delta rule's 64-token chunks and across
+"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next in the engine (Gated DeltaNet over the per-sequence state
+pool, output-gated attention with partial RoPE, zero-centred norms) against transformers' torch
+path, in exact numerics: prefill bit for bit, decode, prefill chunked across the delta rule's 64-token chunks and across
 steps, preemption, rolled-back draft tokens, fast numerics, and every state slot given back."""
 
 from pathlib import Path
@@ -21,9 +21,10 @@ from state_family import (
 )
 
 
-@pytest.fixture(scope="module", params=["tiny_qwen3_5", "tiny_qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["tiny_qwen3_5", "tiny_qwen3_5_moe", "tiny_qwen3_next"])
 def checkpoint(request: pytest.FixtureRequest) -> Path:
-    """The dense text model, and the MoE one (routed experts, a sigmoid-gated shared expert)."""
+    """The dense text model, the MoE one (routed experts, a sigmoid-gated shared expert), and
+    Qwen3-Next (the MoE one's layers, Gated DeltaNet's projections fused as it stores them)."""
     return request.getfixturevalue(request.param)
 
 

@@ -1,4 +1,5 @@
-"""Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next), over a per-sequence state.
+"""Gated DeltaNet linear attention (Qwen3.5, and Qwen3-Next's fused projections in
+`models/qwen3_next.py`), over a per-sequence state.
 
 Per token: `in_proj_qkv` feeds a depthwise causal conv1d (SiLU) whose last `kernel` inputs are
 the sequence's conv state; q and k are L2-normalised per head; beta = sigmoid(b) and
@@ -52,17 +53,23 @@ class GatedDeltaNet(LinearAttention):
         self.head_v_dim = config.linear_value_head_dim
         self.key_dim = self.head_k_dim * self.num_k_heads
         self.value_dim = self.head_v_dim * self.num_v_heads
-        self.in_proj_qkv = weights.linear(f"{prefix}.in_proj_qkv")
-        self.in_proj_z = weights.linear(f"{prefix}.in_proj_z")
-        self.in_proj_b = weights.linear(f"{prefix}.in_proj_b")
-        self.in_proj_a = weights.linear(f"{prefix}.in_proj_a")
+        self.load_projections(weights, prefix)
         self.dt_bias = torch.nn.Parameter(weights.tensor(f"{prefix}.dt_bias"), requires_grad=False)
         self.A_log = torch.nn.Parameter(weights.tensor(f"{prefix}.A_log"), requires_grad=False)
         self.norm = GatedRMSNorm(weights.tensor(f"{prefix}.norm.weight"), config.rms_norm_eps)
         self.out_proj = weights.linear(f"{prefix}.out_proj")
 
+    def load_projections(self, weights: WeightSource, prefix: str) -> None:
+        self.in_proj_qkv = weights.linear(f"{prefix}.in_proj_qkv")
+        self.in_proj_z = weights.linear(f"{prefix}.in_proj_z")
+        self.in_proj_b = weights.linear(f"{prefix}.in_proj_b")
+        self.in_proj_a = weights.linear(f"{prefix}.in_proj_a")
+
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         return self.in_proj_qkv.forward(x), (self.in_proj_b.forward(x), self.in_proj_a.forward(x))
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.in_proj_z.forward(x)
 
     def gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return b.sigmoid(), -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
@@ -79,6 +86,6 @@ class GatedDeltaNet(LinearAttention):
         return query, key, value
 
     def finish(self, core: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        z = self.in_proj_z.forward(x)
+        z = self.output_gate(x)
         out = self.norm.forward(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj.forward(out.reshape(x.shape[0], self.value_dim))

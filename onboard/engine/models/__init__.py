@@ -14,6 +14,7 @@ from onboard.engine.models.lacking import LACKING
 from onboard.engine.models.llama import LlamaModel
 from onboard.engine.models.qwen3_5 import Qwen3_5Model, Qwen3_5MoeModel
 from onboard.engine.models.qwen3_moe import Qwen3MoeModel
+from onboard.engine.models.qwen3_next import Qwen3NextModel
 from onboard.errors import OnboardError
 
 MODEL_REGISTRY: dict[str, type[DecoderModel]] = {
@@ -31,6 +32,7 @@ MODEL_REGISTRY: dict[str, type[DecoderModel]] = {
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeModel,
     "Qwen3_5ForConditionalGeneration": Qwen3_5Model,  # the VLM release: its text model (models/vlm.py)
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeModel,
+    "Qwen3NextForCausalLM": Qwen3NextModel,  # Qwen3.5's layers with fused DeltaNet projections
     "Glm5NextForConditionalGeneration": Glm5NextModel,  # GLM-5.3-Flash: KDA, NoPE MLA + pooled DSA, mHC
 }
 
@@ -86,6 +88,7 @@ __all__ = [
     "Glm5NextModel",
     "LlamaModel",
     "Qwen3MoeModel",
+    "Qwen3NextModel",
     "Qwen3_5Model",
     "Qwen3_5MoeModel",
     "UnsupportedArchitecture",

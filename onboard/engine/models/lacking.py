@@ -6,8 +6,6 @@ An entry is removed when its family is added to `MODEL_REGISTRY` (a test keeps t
 """
 
 LACKING: dict[str, str] = {
-    "qwen3_next": "the fused in_proj_qkvz/in_proj_ba weights of its Gated DeltaNet, and routed experts with a "
-    "sigmoid-gated shared expert",
     "kimi_linear": "MLA whose shared RoPE key is cached but never rotated, a causal-mask MLA layer beside its KDA "
     "layers (layers/kda.py serves KDA) and Moonshot's block_sparse_moe.experts.*.w1/w2/w3 names",
     "deepseek_v4": "compressed sparse attention (CSA/HCA), attention sinks, trailing partial rotary, "

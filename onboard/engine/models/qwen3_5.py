@@ -40,11 +40,14 @@ class Qwen3_5Model(DecoderModel):
 
     def make_layer(self, config: Any, weights: WeightSource, prefix: str, layer_idx: int) -> torch.nn.Module:
         if config.layer_types[layer_idx] == "linear_attention":
-            mixer = GatedDeltaNet(config, weights, f"{prefix}.linear_attn", layer_idx)
+            mixer = self.make_linear_attention(config, weights, f"{prefix}.linear_attn", layer_idx)
         else:
             mixer = GatedAttention(config, weights, f"{prefix}.self_attn", layer_idx)
         mlp = self.make_mlp(config, weights, f"{prefix}.mlp", layer_idx)
         return DecoderLayer(config, weights, prefix, mixer, mlp, norm=ZeroCenteredRMSNorm)
+
+    def make_linear_attention(self, config: Any, weights: WeightSource, prefix: str, layer_idx: int) -> GatedDeltaNet:
+        return GatedDeltaNet(config, weights, prefix, layer_idx)
 
     def make_mlp(self, config: Any, weights: WeightSource, prefix: str, layer_idx: int) -> torch.nn.Module:
         return LlamaMLP(config, weights, prefix)
