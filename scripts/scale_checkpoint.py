@@ -113,6 +113,19 @@ def _qwen_moe_text(layers: int, vocab: int) -> dict:
     }
 
 
+def _vlm(architecture: str, model_type: str, text: dict) -> dict:
+    """The release as the Hub ships it: `text` beside a small vision tower of the text's width."""
+    vision = {"depth": 2, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4, "out_hidden_size": 1024}
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "text_config": text,
+        "vision_config": vision,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+    }
+
+
 def qwen3_5_moe(layers: int, vocab: int) -> dict:
     text = {
         **_qwen_moe_text(layers, vocab),
@@ -126,15 +139,7 @@ def qwen3_5_moe(layers: int, vocab: int) -> dict:
         "partial_rotary_factor": 0.25,
         "mtp_num_hidden_layers": 1,
     }
-    vision = {"depth": 2, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4, "out_hidden_size": 1024}
-    return {
-        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-        "model_type": "qwen3_5_moe",
-        "text_config": text,
-        "vision_config": vision,
-        "tie_word_embeddings": False,
-        "dtype": "bfloat16",
-    }
+    return _vlm("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", text)
 
 
 def glm5_next(layers: int, vocab: int) -> dict:
@@ -182,15 +187,7 @@ def glm5_next(layers: int, vocab: int) -> dict:
         "eos_token_id": 2,
         "pad_token_id": 2,
     }
-    vision = {"depth": 2, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4, "out_hidden_size": 1024}
-    return {
-        "architectures": ["Glm5NextForConditionalGeneration"],
-        "model_type": "glm5_next",
-        "text_config": text,
-        "vision_config": vision,
-        "tie_word_embeddings": False,
-        "dtype": "bfloat16",
-    }
+    return _vlm("Glm5NextForConditionalGeneration", "glm5_next", text)
 
 
 FAMILIES = {"deepseek_v32": deepseek_v32, "qwen3_moe": qwen3_moe, "qwen3_5_moe": qwen3_5_moe, "glm5_next": glm5_next}
