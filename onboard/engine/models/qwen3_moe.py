@@ -38,17 +38,22 @@ class Qwen3MoeSparseBlock(torch.nn.Module):
         return run_experts(self.experts, x, top_w.to(router_logits.dtype), top_e, self.eager)
 
 
+def is_sparse_layer(config: Any, layer_idx: int) -> bool:
+    """Qwen-MoE's rule (Qwen3-MoE, Qwen3-Next): experts unless `mlp_only_layers` names the layer or
+    `decoder_sparse_step` skips it."""
+    return (
+        layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
+        and config.num_experts > 0
+        and (layer_idx + 1) % config.decoder_sparse_step == 0
+    )
+
+
 class Qwen3MoeModel(LlamaModel):
     def __init__(self, config: Any, weights: WeightSource, layer_ids: tuple[int, ...] | None = None):
         self.quantized = getattr(weights, "quantization_config", None) is not None
         super().__init__(config, weights, layer_ids)
 
     def make_mlp(self, config: Any, weights: WeightSource, prefix: str, layer_idx: int) -> torch.nn.Module:
-        sparse = (
-            layer_idx not in getattr(config, "mlp_only_layers", [])
-            and config.num_experts > 0
-            and (layer_idx + 1) % config.decoder_sparse_step == 0
-        )
-        if not sparse:
+        if not is_sparse_layer(config, layer_idx):
             return LlamaMLP(config, weights, prefix)
         return Qwen3MoeSparseBlock(config, weights, prefix, eager=self.quantized)

@@ -17,6 +17,7 @@ from onboard.engine.layers.gated_deltanet import GatedDeltaNet
 from onboard.engine.layers.mlp import LlamaMLP
 from onboard.engine.layers.weight_source import WeightSource
 from onboard.engine.models.qwen3_5 import Qwen3_5Model, Qwen3_5MoeSparseBlock
+from onboard.engine.models.qwen3_moe import is_sparse_layer
 
 
 class FusedGatedDeltaNet(GatedDeltaNet):
@@ -49,11 +50,6 @@ class Qwen3NextModel(Qwen3_5Model):
         return FusedGatedDeltaNet(config, weights, prefix, layer_idx)
 
     def make_mlp(self, config: Any, weights: WeightSource, prefix: str, layer_idx: int) -> torch.nn.Module:
-        sparse = (
-            layer_idx not in (config.mlp_only_layers or [])
-            and config.num_experts > 0
-            and (layer_idx + 1) % config.decoder_sparse_step == 0
-        )
-        if not sparse:
+        if not is_sparse_layer(config, layer_idx):
             return LlamaMLP(config, weights, prefix)
         return Qwen3_5MoeSparseBlock(config, weights, prefix, eager=self.quantized)
