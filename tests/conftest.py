@@ -18,6 +18,7 @@ import torch
 from build_once import build_once, settings_key
 from cli_process import CliServer
 
+from onboard import cpu_bf16
 from onboard.recipes import Quantize
 
 
@@ -29,6 +30,7 @@ def pytest_configure(config: pytest.Config) -> None:
     threads = max(1, (os.cpu_count() or 2) // workers) if workers else 2
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
+    cpu_bf16.install()  # as `onboard.cli.main` does: the tests run what the CLI runs
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,6 +10,7 @@ import sys
 
 import typer
 
+from onboard import cpu_bf16
 from onboard.cli.engine import adapt, bench, bench_kv, serve
 from onboard.cli.quant import bench_quant
 from onboard.cli.release import gate, report, smoke
@@ -61,6 +62,7 @@ def _quiet_libraries() -> None:
 
 def main() -> None:
     _quiet_libraries()
+    cpu_bf16.install()
     try:
         code = app(standalone_mode=False)
     except OnboardError as err:

@@ -106,7 +106,7 @@ def ttt_loss(
     `unroll`: `Eagle3Draft.unroll` or what wraps it (DDP)."""
     logits = unroll(batch["aux"], batch["input_ids"], batch["valid"], settings.ttt_steps)
     with torch.no_grad():
-        target_logp = (batch["final"] @ head.T).log_softmax(-1)  # [B, T, Vd]
+        target_logp = F.linear(batch["final"], head).log_softmax(-1)  # [B, T, Vd]
     loss = torch.zeros((), device=head.device)
     chain = None
     correct_sums, chain_sums = [], []
