@@ -20,7 +20,10 @@ it (`onboard.cli.main`, the tests' conftest) before any model runs; where the CP
 product it does nothing.
 """
 
+import contextlib
 import os
+import threading
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 MIN_ROWS = 32  # below, widening the weight costs more than the bf16 kernel saves (lm_head, 16 rows)
 _BF16_ISAS = ("ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10")
 _bf16_linear = F.linear
+_unrouted = threading.local()
 
 
 def bf16_dot_product() -> bool:
@@ -44,7 +48,7 @@ def linear_via_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """`F.linear`, with bf16 CPU products of `MIN_ROWS` rows or more summed in float32 GEMM.  Under
     CPU bf16 autocast (the speculator's training) the operands are rounded to bf16 first, as
     autocast rounds them, so the arithmetic is autocast's."""
-    if x.device.type != "cpu" or x.dim() == 0 or x.numel() < MIN_ROWS * x.shape[-1]:
+    if getattr(_unrouted, "on", False) or x.device.type != "cpu" or x.dim() == 0 or x.numel() < MIN_ROWS * x.shape[-1]:
         return _bf16_linear(x, weight, bias)
     if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") is torch.bfloat16:
         if not (x.is_floating_point() and weight.is_floating_point()):
@@ -59,6 +63,18 @@ def linear_via_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def _widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """bf16 operands multiplied in float32, the sums rounded once to bf16."""
     return _bf16_linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
+
+
+@contextlib.contextmanager
+def bf16_kernels() -> Iterator[None]:
+    """PyTorch's own bf16 kernels for the linears inside, in this thread: where the engine computes
+    what transformers computes with an op the route does not wrap (`grouped_mm` experts)."""
+    before = getattr(_unrouted, "on", False)
+    _unrouted.on = True
+    try:
+        yield
+    finally:
+        _unrouted.on = before
 
 
 def install() -> None:

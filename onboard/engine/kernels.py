@@ -63,6 +63,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from onboard import cpu_bf16
+
 # PyTorch's CPU addmm hands a bf16 product to oneDNN only when m*n*k exceeds 16**3 (`checksize` in
 # aten/src/ATen/native/mkldnn/Matmul.cpp); smaller ones run its own kernel.
 _ONEDNN_MIN_SIZE = 16**3
@@ -126,6 +128,12 @@ class BoundKernels:
         return self.plain if self.plain is not None else self.packed.to_dense()
 
     def run(self, kernel: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # The kernels measured are PyTorch's own: the float32 route (cpu_bf16.py) switches kernels
+        # at a row count the invariance probe does not reach.
+        with cpu_bf16.bf16_kernels():
+            return self._run(kernel, x, bias)
+
+    def _run(self, kernel: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if kernel == "plain":
             return F.linear(x, self.plain, bias)
         if kernel == "pytorch":

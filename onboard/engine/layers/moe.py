@@ -14,7 +14,11 @@ Only experts that received tokens run.  Two numerics, as transformers 5.17 has t
 A GEMM may round a row differently at another position, so the row order is theirs too.
 """
 
+import contextlib
+
 import torch
+
+from onboard import cpu_bf16
 
 
 def run_experts(
@@ -35,17 +39,19 @@ def run_experts(
     counts = torch.bincount(flat_e, minlength=len(experts)).tolist()
     tokens = order // k
     start = 0
-    for e, count in enumerate(counts):
-        if count == 0:
-            continue
-        pairs = order[start : start + count]
-        rows = tokens[start : start + count]
-        y = experts[e].forward(x.index_select(0, rows)) * flat_w.index_select(0, pairs)
-        if eager:
-            out.index_add_(0, rows, y.to(out.dtype))
-        else:
-            out.index_copy_(0, pairs, y)
-        start += count
+    # transformers' grouped_mm is not `F.linear`: its experts keep PyTorch's bf16 kernels (cpu_bf16.py).
+    with contextlib.nullcontext() if eager else cpu_bf16.bf16_kernels():
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            pairs = order[start : start + count]
+            rows = tokens[start : start + count]
+            y = experts[e].forward(x.index_select(0, rows)) * flat_w.index_select(0, pairs)
+            if eager:
+                out.index_add_(0, rows, y.to(out.dtype))
+            else:
+                out.index_copy_(0, pairs, y)
+            start += count
     if eager:
         return out
     return out.view(t, k, hidden).sum(dim=1).to(x.dtype)
