@@ -40,7 +40,8 @@ test-dist: setup
 
 # The parity tests on tiny models again with oneDNN capped at AVX512_CORE (no bf16 or AMX
 # instructions: other kernels, which sum some rows in another order): a proof that holds only
-# where two kernels happen to round alike fails here, on any x86 machine.
+# where two kernels happen to round alike fails here, on any x86 machine.  Without bf16 instructions
+# onboard/cpu_bf16.py routes bf16 linears through float32 GEMM, so the route is proven here too.
 test-isa: setup
 	ONEDNN_MAX_CPU_ISA=AVX512_CORE $(PYTEST) tests/adapt tests/engine/test_models.py \
 		tests/engine/test_fast_numerics.py tests/engine/test_qwen3_5.py tests/engine/test_glm5_next.py \

@@ -80,3 +80,17 @@ def test_under_bf16_autocast_the_operands_are_rounded_as_autocast_rounds_them() 
     assert ((routed.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
     routed.float().sum().backward()
     assert weight.grad is not None and weight.grad.dtype is torch.float32
+
+
+def test_inside_bf16_kernels_nothing_is_routed(monkeypatch: pytest.MonkeyPatch) -> None:
+    widened: list[int] = []
+    widen = cpu_bf16._widened
+    monkeypatch.setattr(cpu_bf16, "_widened", lambda *a: widened.append(1) or widen(*a))
+    x, weight, bias = _operands(cpu_bf16.MIN_ROWS)
+    with cpu_bf16.bf16_kernels():
+        with cpu_bf16.bf16_kernels():
+            cpu_bf16.linear_via_fp32(x, weight, bias)
+        cpu_bf16.linear_via_fp32(x, weight, bias)  # still inside after a nested block ends
+    assert widened == []
+    cpu_bf16.linear_via_fp32(x, weight, bias)
+    assert widened == [1]
