@@ -145,7 +145,7 @@ class BoundKernels:
         if kernel == "tiled":
             return tiled_linear(x, self.plain, bias, self.choice.tile_rows)
         if kernel == "per_row":
-            return torch.cat([self.run(self.choice.one_row, x[i : i + 1], bias) for i in range(x.shape[0])])
+            return torch.cat([self._run(self.choice.one_row, x[i : i + 1], bias) for i in range(x.shape[0])])
         raise ValueError(f"unknown linear kernel {kernel!r}")
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
