@@ -44,9 +44,12 @@ DEMO_PROFILES: dict[str, dict[str, object]] = {
         # that learned nothing (misaligned states, a broken export) stays at ~1.0. Half that
         # (24 prompts, 2 epochs, 6 eval prompts) measured 1.04-1.09 depending on the artifact.
         "gate.min_acceptance_length": 1.05,
-        # 40 outputs a side: one loop moves a rate by 2.5 pp and the excess carries about +-8 pp of
-        # noise; the full profile (200 outputs a side) gates at the recipe's 0.1.
+        # 40 outputs a side: one loop or run-on moves a rate by 2.5 pp and the excess carries about
+        # +-8 pp of noise; the full profile (200 outputs a side) gates at the recipe's 0.1.  Two
+        # correct artifacts of one recipe (calibration summed in another order, on two CPUs)
+        # measured run-on excesses of 0.05 and 0.15 against that 0.1.
         "gate.max_loop_rate_excess": 0.2,
+        "gate.max_run_on_excess": 0.2,
     },
     # Two responses per speculator prompt instead of the recipe's four, and 100 smoke prompts
     # instead of 120, keep the whole demo within 45 minutes on 2 cores.
