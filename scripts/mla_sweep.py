@@ -1,6 +1,7 @@
 """Fast numerics against the near-tie rule over random MLA shapes and seeds, not one fixture's.
 
-    python scripts/mla_sweep.py --tokenizer DEMO_CHECKPOINT [--cases 24] [--prompts 4] [--out FILE]
+    python scripts/mla_sweep.py --tokenizer DEMO_CHECKPOINT [--cases 24] [--prompts 4] [--o-proj-scale 0.99]
+        [--out FILE]
 
 Each case is a random-weight DeepSeek-V3 / V3.2 / GLM-5 (`glm_moe_dsa`) checkpoint of a drawn shape
 (hidden size, heads, LoRA ranks, head dims, experts, DSA top-k, weight scale), built in memory and
@@ -9,6 +10,11 @@ goes through `measure_parity` in bf16, as `onboard adapt` runs it, and in float3
 numerics decode MLA in the weight-absorbed form): exact numerics (bitwise?) and
 fast numerics (top-1 at fast's own decode steps, greedy agreement, the largest |Δ logprob|, and
 whether every greedy divergence is a near-tie).
+
+A divergence at a token that is no near-tie is judged by the decision-tie rule (`onboard.adapt.measure`,
+`_decision_tie`).  `--o-proj-scale 0.99` also serves each bf16 case's fast numerics from weights with
+layer 1's o_proj scaled, what a kernel that computes something else would serve: how many the rules
+reject, and how far from the floor fast's log probabilities sit.
 
 A case whose fast numerics fail the rule is measured again with its discrete decisions taken out,
 on the same weights: every routed expert chosen (`num_experts_per_tok = n_routed_experts`, every
@@ -26,8 +32,9 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
-from onboard.adapt.measure import measure_parity
+from onboard.adapt import measure
 from onboard.models import inspect_checkpoint
 
 # bf16: fast numerics' kernels (oneDNN's packed bf16 GEMMs where the CPU has them; elsewhere the
@@ -128,8 +135,30 @@ def build(case: dict, tokenizer: Path, out: Path, ablate: bool = False) -> Path:
     return out
 
 
-def measured(path: Path, prompts: int, dtype: torch.dtype) -> dict:
-    result = measure_parity(inspect_checkpoint(path), dtype, num_prompts=prompts)
+def wrong_o_proj(path: Path, scale: float) -> Path:
+    """A copy of the checkpoint with layer 1's o_proj scaled: what a kernel that computes something
+    else serves, to measure what the decision-tie rule rejects."""
+    out = path.with_name(path.name + "-wrong")
+    shutil.copytree(path, out)
+    (shard,) = out.glob("*.safetensors")
+    weights = load_file(shard)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    weights[name] = (weights[name].float() * scale).to(weights[name].dtype)
+    save_file(weights, shard, metadata={"format": "pt"})
+    return out
+
+
+def measured(path: Path, prompts: int, dtype: torch.dtype, o_proj_scale: float | None = None) -> dict:
+    engine = measure._engine
+    if o_proj_scale is not None:  # fast numerics served from the wrong weights, judged against the right ones
+        wrong = inspect_checkpoint(wrong_o_proj(path, o_proj_scale))
+        measure._engine = lambda ck, dtype, device, numerics="exact": engine(
+            wrong if numerics == "fast" else ck, dtype, device, numerics
+        )
+    try:
+        result = measure.measure_parity(inspect_checkpoint(path), dtype, num_prompts=prompts)
+    finally:
+        measure._engine = engine
     fast = result["fast"]
     return {
         "exact_bitwise": result["max_abs_logit_diff"] == 0 and result["greedy_match_rate"] == 1,
@@ -138,6 +167,8 @@ def measured(path: Path, prompts: int, dtype: torch.dtype) -> dict:
         "fast_greedy": round(fast["greedy_match_rate"], 4),
         "fast_max_abs_logprob_diff": fast["max_abs_logprob_diff"],
         "fast_near_ties_only": fast["logprobs_close"],
+        "fast_decision_ties": fast["decision_tie_prompts"],
+        "fast_moved_floor_fraction": fast["moved_floor_fraction"],
     }
 
 
@@ -148,6 +179,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("mla_sweep.json"))
+    parser.add_argument(
+        "--o-proj-scale", type=float, help="also serve bf16 fast numerics from layer 1's o_proj scaled by this"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     rng = random.Random(args.seed)
@@ -157,7 +191,10 @@ def main() -> None:
         for name, dtype in DTYPES.items():
             with tempfile.TemporaryDirectory() as tmp:
                 row = {"case": i, "dtype": name, **case}
-                row.update(measured(build(case, args.tokenizer, Path(tmp) / "ck"), args.prompts, dtype))
+                path = build(case, args.tokenizer, Path(tmp) / "ck")
+                row.update(measured(path, args.prompts, dtype))
+                if args.o_proj_scale is not None and name == "bf16":
+                    row["wrong_kernel"] = measured(path, args.prompts, dtype, args.o_proj_scale)
             if not row["fast_near_ties_only"]:
                 with tempfile.TemporaryDirectory() as tmp:
                     ablated = measured(build(case, args.tokenizer, Path(tmp) / "ck", ablate=True), args.prompts, dtype)
@@ -176,7 +213,16 @@ def main() -> None:
             "fast_greedy_mean": round(sum(r["fast_greedy"] for r in mine) / len(mine), 4),
             "fast_max_abs_logprob_diff": max(r["fast_max_abs_logprob_diff"] for r in mine),
             "failing_fixed_without_decisions": sum(r["without_decisions"]["fast_near_ties_only"] for r in failing),
+            "fast_decision_tie_prompts": sum(r["fast_decision_ties"] for r in mine),
+            "fast_moved_floor_fraction_max": max((r["fast_moved_floor_fraction"] or 0.0) for r in mine),
         }
+        wrong = [r["wrong_kernel"] for r in mine if "wrong_kernel" in r]
+        if wrong:
+            summary[name]["wrong_kernel"] = {
+                "o_proj_scale": args.o_proj_scale,
+                "rejected": sum(not w["fast_near_ties_only"] for w in wrong),
+                "moved_floor_fraction_min": min((w["fast_moved_floor_fraction"] or 0.0) for w in wrong),
+            }
     args.out.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
     print(json.dumps(summary))
 

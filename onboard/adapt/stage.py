@@ -56,6 +56,8 @@ def parity_table(result: dict[str, Any]) -> Table:
                 f"{100 * fast['top1_agreement']:.2f} % (exact {100 * fast['exact_top1_agreement']:.2f} %)",
             )
         table.add_row("fast numerics: identical greedy", f"{100 * fast['greedy_match_rate']:.1f} %")
+        if fast.get("decision_tie_prompts"):
+            table.add_row("fast numerics: parted at a decision tie", f"{fast['decision_tie_prompts']} prompts")
         table.add_row("fast numerics: near-ties only", str(fast["logprobs_close"]))
     return table
 
