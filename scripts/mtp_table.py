@@ -2,10 +2,11 @@
 
     .venv/bin/python scripts/mtp_table.py [--out runs/mtp-table.json]
 
-Per family (DeepSeek-V3, DeepSeek-V3.2, GLM-5):
+Per family (DeepSeek-V3, DeepSeek-V3.2, GLM-5, and Qwen3.5 and Qwen3.5-MoE with their `mtp.*` module):
 
 * proposal parity: the engine's MTP draft against transformers' `MtpModel` layer on the engine's
-  states, on a model of the release's depth (61 or 78 layers), float32: max |delta logit|;
+  states, on a model of the release's depth (61 or 78 layers), float32: max |delta logit| (Qwen's
+  module has no transformers model to compare with);
 * lossless greedy: speculative (K = 2) against plain greedy tokens in the engine, float32;
 * an MTP layer that knows its model: a tiny model whose main layers' outputs are scaled by
   `--residual-scale` (its greedy text mostly a fixed walk over tokens) gets its MTP layer trained
@@ -27,7 +28,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import tiny_models
 from safetensors.torch import load_file, save_file
-from transformers.core_model_loading import revert_weight_conversion
 
 from onboard.engine import EngineConfig, LLMEngine, SamplingParams
 from onboard.models import inspect_checkpoint
@@ -45,7 +45,12 @@ ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
+# Qwen's `mtp.*` module: transformers 5.17 has no model of it, so no proposal-parity reference.
+QWEN_BUILDERS = {"qwen3_5": tiny_models.build_qwen3_5, "qwen3_5_moe": tiny_models.build_qwen3_5_moe}
+QWEN_OUTPUTS = ("self_attn.o_proj.weight", "linear_attn.out_proj.weight", "down_proj.weight")
 ENGINE = EngineConfig(block_size=4, num_blocks=1024, max_model_len=512, enable_prefix_caching=False)
 SETTINGS = tiny_models.mtp_speculator_settings(
     traffic="mixed", num_prompts=24, max_new_tokens=48, max_seq_len=192, eval_prompts=8, eval_max_tokens=48
@@ -108,6 +113,20 @@ def lossless(path: Path) -> dict:
     return {"prompts": len(work), "identical": sum(a == b for a, b in zip(got, want, strict=True))}
 
 
+def qwen_source(arch: str, out: Path, residual_scale: float) -> Path:
+    """A tiny Qwen3.5 release (`tests/tiny_models.build_qwen3_5`) whose main layers' output
+    projections are scaled, as `build_mtp_model` scales DeepSeek's."""
+    path = QWEN_BUILDERS[arch](out)
+    for shard in path.glob("*.safetensors"):
+        weights = load_file(str(shard))
+        scaled = [n for n in weights if n.startswith("model.language_model.layers.") and n.endswith(QWEN_OUTPUTS)]
+        if scaled:
+            for name in scaled:
+                weights[name] = (weights[name].float() * residual_scale).to(weights[name].dtype)
+            save_file(weights, str(shard), {"format": "pt"})
+    return path
+
+
 def train_source_mtp(path: Path, work: Path) -> dict:
     """The source's MTP layer trained on its own BF16 states (what a release ships)."""
     engine = LLMEngine(path, ENGINE)
@@ -119,18 +138,25 @@ def train_source_mtp(path: Path, work: Path) -> dict:
     draft = trainable(engine_mtp(engine, path))
     settings = TrainSettings(epochs=30, learning_rate=3e-3, batch_sequences=4, max_seq_len=192, ttt_steps=2)
     history = train_draft(draft, work / "data", engine.target_tensors()["lm_head"], settings, work / "checkpoint")
-    state = {k: v.detach() for k, v in draft.mtp.state_dict().items() if k.startswith("layers.")}
-    weights = load_file(str(path / "model.safetensors"))
-    for key, value in revert_weight_conversion(draft.mtp, state).items():
-        weights[key] = value.to(weights[key].dtype).contiguous()
-    save_file(weights, str(path / "model.safetensors"), {"format": "pt"})
+    state = draft.checkpoint_state()  # the checkpoint's names, whichever shard holds them
+    for shard in path.glob("*.safetensors"):
+        weights = load_file(str(shard))
+        if any(key in weights for key in state):
+            for key, value in state.items():
+                if key in weights:
+                    weights[key] = value.to(weights[key].dtype).contiguous()
+            save_file(weights, str(shard), {"format": "pt"})
     return {"loss_first_epoch": history[0]["loss"], "loss_last_epoch": history[-1]["loss"]}
 
 
 def family(arch: str, work: Path, residual_scale: float) -> dict:
     started = time.perf_counter()
-    row: dict = {"arch": arch, "parity": proposal_parity(arch, work)}
-    source = tiny_models.build_mtp_model(work / f"source_{arch}", arch, residual_scale=residual_scale)
+    if arch in QWEN_BUILDERS:
+        row: dict = {"arch": arch, "parity": None}
+        source = qwen_source(arch, work / f"source_{arch}", residual_scale)
+    else:
+        row = {"arch": arch, "parity": proposal_parity(arch, work)}
+        source = tiny_models.build_mtp_model(work / f"source_{arch}", arch, residual_scale=residual_scale)
     row["lossless"] = lossless(source)
     row["source_training"] = train_source_mtp(source, work / f"train_{arch}")
     recipe, _ = recipe_for([ARCHITECTURES[arch]])
@@ -143,6 +169,12 @@ def family(arch: str, work: Path, residual_scale: float) -> dict:
     row["mtp"] = json.loads(run.path(SPECULATOR_METRICS).read_text())["mtp"]
     row["seconds"] = round(time.perf_counter() - started, 1)
     return row
+
+
+def parity(result: dict | None) -> str:
+    if result is None:
+        return "no reference (transformers has no model of it)"
+    return f"{result['max_abs_logit_diff']:.2g} ({result['same_proposal']:.0%} same)"
 
 
 def main() -> None:
@@ -166,7 +198,7 @@ def main() -> None:
         m = r["mtp"]
         print(
             f"| {r['arch']} | {r['kept']['tensors']} ({r['kept']['bytes']:,} B) | "
-            f"{r['parity']['max_abs_logit_diff']:.2g} ({r['parity']['same_proposal']:.0%} same) | "
+            f"{parity(r['parity'])} | "
             f"{r['lossless']['identical']}/{r['lossless']['prompts']} | {m['bf16']['acceptance_length']:.2f} | "
             f"{m['artifact']['acceptance_length']:.2f} | {m['retrained']['acceptance_length']:.2f} |"
         )
