@@ -200,7 +200,7 @@ def measure_parity(
         "exact_max_abs_logprob_diff": exact_max_diff,
         "exact_top1_agreement": exact_agree / max(exact_positions, 1),
         "greedy_match_rate": sum(c.matched for c in fast_cases) / len(fast_cases),
-        # of num_prompts: parted at a token near-tie, or past where transformers parts from itself
+        # of num_prompts: parted at a token near-tie; at a decision tie (`_decision_tie`)
         "near_tie_prompts": sum(c.near_tie and not c.matched for c in fast_cases),
         "decision_tie_prompts": sum(decision_ties),
         # the largest, over prompts that no token near-tie explains, of fast's mean |Δ logprob|
@@ -276,10 +276,8 @@ def _moved_divergence(model, reference: ReferenceDecode, eos_ids: set[int], pad_
             moved = _reference_greedy(model, reference.prompt, eos_ids, pad_id).tokens
         finally:
             handle.remove()
-        pairs = zip(moved, reference.tokens, strict=False)
-        parted = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
-        if parted is None and len(moved) != len(reference.tokens):  # one stopped (EOS) earlier
-            parted = min(len(moved), len(reference.tokens))
+        no_top = [[]] * max(len(moved), len(reference.tokens))  # where they part, not whether at a near-tie
+        parted = compare_greedy(moved, reference.tokens, no_top, no_top).first_divergence
         if parted is not None:
             first = parted if first is None else min(first, parted)
     return first
