@@ -2,11 +2,12 @@
 
     .venv/bin/python scripts/mtp_table.py [--out runs/mtp-table.json]
 
-Per family (DeepSeek-V3, DeepSeek-V3.2, GLM-5, and Qwen3.5 and Qwen3.5-MoE with their `mtp.*` module):
+Per family (DeepSeek-V3, DeepSeek-V3.2, GLM-5, Qwen3.5 and Qwen3.5-MoE with their `mtp.*` module,
+and GLM-5.3-Flash with its residual next-N layer):
 
 * proposal parity: the engine's MTP draft against transformers' `MtpModel` layer on the engine's
   states, on a model of the release's depth (61 or 78 layers), float32: max |delta logit| (Qwen's
-  module has no transformers model to compare with);
+  module and GLM-5.3-Flash's layer have no transformers model to compare with);
 * lossless greedy: speculative (K = 2) against plain greedy tokens in the engine, float32;
 * an MTP layer that knows its model: a tiny model whose main layers' outputs are scaled by
   `--residual-scale` (its greedy text mostly a fixed walk over tokens) gets its MTP layer trained
@@ -31,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from onboard.engine import EngineConfig, LLMEngine, SamplingParams
 from onboard.models import inspect_checkpoint
+from onboard.models.mtp import mtp_entries
 from onboard.quantize.stage import run_quantize
 from onboard.recipes import Calibration, Quantize, recipe_for
 from onboard.speculator.capture import capture_shards
@@ -47,10 +49,16 @@ ARCHITECTURES = {
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "glm5_next": "Glm5NextForConditionalGeneration",
 }
-# Qwen's `mtp.*` module: transformers 5.17 has no model of it, so no proposal-parity reference.
-QWEN_BUILDERS = {"qwen3_5": tiny_models.build_qwen3_5, "qwen3_5_moe": tiny_models.build_qwen3_5_moe}
-QWEN_OUTPUTS = ("self_attn.o_proj.weight", "linear_attn.out_proj.weight", "down_proj.weight")
+# VLM releases whose MTP layers transformers 5.17 has no model of (Qwen's `mtp.*` module,
+# GLM-5.3-Flash's residual next-N layer), so no proposal-parity reference.
+VLM_BUILDERS = {
+    "qwen3_5": tiny_models.build_qwen3_5,
+    "qwen3_5_moe": tiny_models.build_qwen3_5_moe,
+    "glm5_next": tiny_models.build_glm5_next,
+}
+OUTPUTS = ("self_attn.o_proj.weight", "linear_attn.out_proj.weight", "down_proj.weight")
 ENGINE = EngineConfig(block_size=4, num_blocks=1024, max_model_len=512, enable_prefix_caching=False)
 SETTINGS = tiny_models.mtp_speculator_settings(
     traffic="mixed", num_prompts=24, max_new_tokens=48, max_seq_len=192, eval_prompts=8, eval_max_tokens=48
@@ -113,13 +121,16 @@ def lossless(path: Path) -> dict:
     return {"prompts": len(work), "identical": sum(a == b for a, b in zip(got, want, strict=True))}
 
 
-def qwen_source(arch: str, out: Path, residual_scale: float) -> Path:
-    """A tiny Qwen3.5 release (`tests/tiny_models.build_qwen3_5`) whose main layers' output
-    projections are scaled, as `build_mtp_model` scales DeepSeek's."""
-    path = QWEN_BUILDERS[arch](out)
+def vlm_source(arch: str, out: Path, residual_scale: float) -> Path:
+    """A tiny VLM release (`VLM_BUILDERS`) whose main layers' output projections are scaled, as
+    `build_mtp_model` scales DeepSeek's (its MTP layer's are not)."""
+    path = VLM_BUILDERS[arch](out)
+    mtp = set(mtp_entries(path))
     for shard in path.glob("*.safetensors"):
         weights = load_file(str(shard))
-        scaled = [n for n in weights if n.startswith("model.language_model.layers.") and n.endswith(QWEN_OUTPUTS)]
+        scaled = [
+            n for n in weights if n.startswith("model.language_model.layers.") and n.endswith(OUTPUTS) and n not in mtp
+        ]
         if scaled:
             for name in scaled:
                 weights[name] = (weights[name].float() * residual_scale).to(weights[name].dtype)
@@ -151,9 +162,9 @@ def train_source_mtp(path: Path, work: Path) -> dict:
 
 def family(arch: str, work: Path, residual_scale: float) -> dict:
     started = time.perf_counter()
-    if arch in QWEN_BUILDERS:
+    if arch in VLM_BUILDERS:
         row: dict = {"arch": arch, "parity": None}
-        source = qwen_source(arch, work / f"source_{arch}", residual_scale)
+        source = vlm_source(arch, work / f"source_{arch}", residual_scale)
     else:
         row = {"arch": arch, "parity": proposal_parity(arch, work)}
         source = tiny_models.build_mtp_model(work / f"source_{arch}", arch, residual_scale=residual_scale)

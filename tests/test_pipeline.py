@@ -177,3 +177,6 @@ def test_every_stage_on_a_glm5_next_release(tiny_glm5_next: Path, tmp_path: Path
     assert selection["layers"]["model.language_model.layers.0.self_attn.f_a_proj"]["format"] == "bf16"
     ignore = json.loads((out / "artifact" / "config.json").read_text())["quantization_config"]["ignore"]
     assert "model.language_model.layers.0.self_attn.f_a_proj" in ignore
+    # its MTP layer served as a draft, on the source and on the artifact
+    mtp = json.loads((out / "speculator" / "metrics.json").read_text())["mtp"]
+    assert mtp["bf16"]["num_drafts"] > 0 and mtp["artifact"]["num_drafts"] > 0

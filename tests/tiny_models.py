@@ -639,10 +639,11 @@ def build_glm5_next(out_dir: Path, seed: int = 0) -> Path:
     """A tiny GLM-5.3-Flash release as the Hub ships it (`Glm5NextForConditionalGeneration`): the
     text model under `model.language_model.` (`GLM5_NEXT_TEXT`), a vision tower under
     `model.visual.`, a preprocessor config, and one MTP layer in the DeepSeek layout,
-    `model.language_model.layers.{N}.*` (a DSA decoder block with its hyper-connections and MoE,
-    plus `enorm`, `hnorm`, `eh_proj`, `shared_head.norm` and copies of the embedding and the
-    head), counted by `text_config.num_nextn_predict_layers`.  Built as an N+1-layer model whose
-    last layer becomes the block."""
+    `model.language_model.layers.{N}.*` (a residual DSA decoder block with its MoE, no
+    hyper-connections, as the release's next-N layer is; plus `enorm`, `hnorm`, `eh_proj`,
+    `shared_head.norm` and copies of the embedding and the head), counted by
+    `text_config.num_nextn_predict_layers`.  Built as an N+1-layer model whose last layer becomes
+    the block."""
     glm = transformers.models.glm5_next
     main = len(GLM5_NEXT_TEXT["layer_types"])
     text = dict(_common_kwargs(), tie_word_embeddings=False, **GLM5_NEXT_TEXT)
@@ -668,6 +669,8 @@ def build_glm5_next(out_dir: Path, seed: int = 0) -> Path:
 
     weights = load_file(out_dir / "model.safetensors")
     _add_mtp_glue(weights, "model.language_model.", main, seed)
+    for name in [n for n in weights if n.startswith(f"model.language_model.layers.{main}.hc_")]:
+        del weights[name]
     save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
     raw = json.loads((out_dir / "config.json").read_text())
     raw["text_config"]["num_hidden_layers"] = main

@@ -81,6 +81,25 @@ def fuse_experts(tensors: dict[str, torch.Tensor], wanted: set[str]) -> dict[str
     return out
 
 
+def split_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' fused `*mlp.experts.{gate_up_proj,down_proj}` back as the checkpoint's
+    per-expert `*mlp.experts.E.{gate,up,down}_proj.weight` (`fuse_experts` reverted)."""
+    out = {}
+    for name, value in tensors.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name.removesuffix("gate_up_proj")
+            for e, (gate, up) in enumerate(zip(*value.chunk(2, dim=1), strict=True)):
+                out[f"{base}{e}.gate_proj.weight"] = gate
+                out[f"{base}{e}.up_proj.weight"] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for e in range(value.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = value[e]
+        else:
+            out[name] = value
+    return out
+
+
 def check_layerwise(path: Path) -> Any:
     """The checkpoint's text-model config (a VLM's `text_config`, with the checkpoint's quantization
     config), or a one-line refusal of what a layer-by-layer run cannot build."""

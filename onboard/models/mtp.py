@@ -98,21 +98,3 @@ def has_mtp_layers(directory: Path, config: dict | None = None) -> bool:
             return False
         config = json.loads(path.read_text())
     return bool(declared_mtp_layers(config)) and bool(mtp_entries(directory, config))
-
-
-# Families whose MTP layers are kept but not served by the engine, and why.
-UNSERVED_MTP = {
-    "glm5_next": "transformers 5.17 has no model of GLM-5.3-Flash's MTP layer (its decoder layer takes "
-    "hyper-connection streams, transformers' MtpModel one state), so there is no reference to serve it by",
-}
-
-
-def engine_serves_mtp(directory: Path, config: dict | None = None) -> bool:
-    """The checkpoint has MTP layers the engine serves as a draft: DeepSeek's layout (transformers'
-    `MtpModel`) or Qwen's `mtp.` module (`speculator/qwen_mtp_draft.py`), not `UNSERVED_MTP`'s."""
-    if config is None:
-        path = Path(directory) / "config.json"
-        if not path.is_file():
-            return False
-        config = json.loads(path.read_text())
-    return has_mtp_layers(directory, config) and config.get("model_type") not in UNSERVED_MTP

@@ -1,5 +1,5 @@
 """A checkpoint's own MTP layers as the engine's draft (DeepSeek-V3/V3.2, GLM-5; Qwen's `mtp.`
-module in `qwen_mtp_draft.py`).
+module in `qwen_mtp_draft.py`, GLM-5.3-Flash's layer in `glm_mtp_draft.py`).
 
 The layers are transformers' (`MtpModel`, loaded by its own `from_pretrained` with its renamings
 and the family's expert conversions), so the draft is the reference implementation, not a copy
@@ -21,7 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from onboard.errors import OnboardError
-from onboard.models.mtp import UNSERVED_MTP, declared_mtp_layers
+from onboard.models.mtp import declared_mtp_layers
 from onboard.speculator.draft import DraftStep, additive_mask, ttt_unroll
 
 
@@ -121,8 +121,10 @@ def load_mtp_draft(path: Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor
         raise OnboardError(f"{path} has no MTP layers (num_nextn_predict_layers and model.layers.N.* tensors)")
     if count != 1:
         raise OnboardError(f"{path} has {count} MTP layers; the engine serves one (vLLM serves more: --engine vllm)")
-    if stored.get("model_type") in UNSERVED_MTP:
-        raise OnboardError(f"{path}: the engine does not serve its MTP layers: {UNSERVED_MTP[stored['model_type']]}")
+    if stored.get("model_type") == "glm5_next":  # a residual block that transformers has no model of
+        from onboard.speculator.glm_mtp_draft import load_glm_mtp_draft
+
+        return load_glm_mtp_draft(path, embed_tokens, lm_head, dtype)
     if module_layout(stored, None):  # Qwen's `mtp.` module
         from onboard.speculator.qwen_mtp_draft import load_qwen_mtp_draft
 

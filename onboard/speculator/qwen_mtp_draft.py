@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, DynamicCache
 
-from onboard.models.layers import fuse_experts
+from onboard.models.layers import fuse_experts, split_experts
 from onboard.models.mtp import MODULE_PREFIX, mtp_entries
 from onboard.models.vlm import text_model_config
 from onboard.speculator.draft import DraftStep, additive_mask, ttt_unroll
@@ -103,20 +103,8 @@ class QwenMtpDraft(torch.nn.Module):
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """The module's layers in the checkpoint's names (`mtp.*`), experts one by one."""
-        out = {}
-        for name, value in self.mtp.layers[0].state_dict().items():
-            name = name.replace("block.", _BLOCK, 1)
-            if name.endswith("mlp.experts.gate_up_proj"):
-                base = name.removesuffix("gate_up_proj")
-                for e, (gate, up) in enumerate(zip(*value.chunk(2, dim=1), strict=True)):
-                    out[f"{MODULE_PREFIX}{base}{e}.gate_proj.weight"] = gate
-                    out[f"{MODULE_PREFIX}{base}{e}.up_proj.weight"] = up
-            elif name.endswith("mlp.experts.down_proj"):
-                base = name.removesuffix("down_proj")
-                for e in range(value.shape[0]):
-                    out[f"{MODULE_PREFIX}{base}{e}.down_proj.weight"] = value[e]
-            else:
-                out[MODULE_PREFIX + name] = value
+        layer = {name.replace("block.", _BLOCK, 1): value for name, value in self.mtp.layers[0].state_dict().items()}
+        out = {MODULE_PREFIX + name: value for name, value in split_experts(layer).items()}
         return {name: value.detach() for name, value in out.items()}
 
 

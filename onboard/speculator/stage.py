@@ -30,8 +30,7 @@ from onboard.budget import (
 from onboard.console import console
 from onboard.endpoint import EndpointSpec
 from onboard.errors import OnboardError
-from onboard.models.mtp import UNSERVED_MTP, engine_serves_mtp, has_mtp_layers
-from onboard.models.vlm import read_config
+from onboard.models.mtp import has_mtp_layers
 from onboard.recipes import SpeculatorSettings
 from onboard.speculator import parallel
 from onboard.speculator.capture import capture_shards
@@ -117,12 +116,6 @@ def run_speculator(
         if not has_mtp_layers(run.artifact):
             raise OnboardError(
                 f"--draft mtp: {run.artifact} has no MTP layers (families without them train EAGLE-3, the default)"
-            )
-        if not engine_serves_mtp(run.artifact):
-            model_type = read_config(run.artifact).get("model_type")
-            raise OnboardError(
-                f"--draft mtp: the engine does not serve {run.artifact}'s MTP layers: {UNSERVED_MTP.get(model_type)}; "
-                "train EAGLE-3 (the default), or serve them with vLLM (onboard deploy)"
             )
         if streamed:
             raise OnboardError(
@@ -239,7 +232,7 @@ def _in_memory_body(
             metrics = metrics if kept else shipped
         else:
             export_speculator(draft, stage.path(DRAFT), run.artifact.resolve(), k)
-            if engine_serves_mtp(run.artifact):
+            if has_mtp_layers(run.artifact):
                 mtp, _ = measure_mtp(engine, run, config, held_out, k, max_tokens)
         metrics.update(
             draft=settings.draft,

@@ -1,8 +1,9 @@
 """A checkpoint's own MTP layers as the engine's draft, on tiny models of each MTP family
-(DeepSeek-V3, DeepSeek-V3.2, GLM-5): its proposals are transformers' `MtpModel`'s on the same
-states (on models of the release's depth, which `MtpModel.from_pretrained` finds the layers by),
-and speculative greedy decoding with it is plain greedy decoding (float32: the engine's lossless
-rule for MLA families), chained beyond the one layer as vLLM chains it."""
+(DeepSeek-V3, DeepSeek-V3.2, GLM-5; Qwen3.5's module and GLM-5.3-Flash's layer): its proposals
+are transformers' `MtpModel`'s on the same states (on models of the release's depth, which
+`MtpModel.from_pretrained` finds the layers by), and speculative greedy decoding with it is plain
+greedy decoding (float32: the engine's lossless rule for MLA families), chained beyond the one
+layer as vLLM chains it."""
 
 from pathlib import Path
 
@@ -20,7 +21,9 @@ from onboard.speculator.drafts import load_draft
 from onboard.speculator.mtp_draft import load_mtp_draft, mtp_config
 
 ARCHS = ["deepseek_v3", "deepseek_v32", "glm_moe_dsa"]
-FAMILIES = [*(f"tiny_mtp_{arch}" for arch in ARCHS), "tiny_qwen3_5", "tiny_qwen3_5_moe"]
+# Glue that transformers has no model of (`qwen_mtp_draft.py`, `glm_mtp_draft.py`).
+GLUE = ["tiny_qwen3_5", "tiny_qwen3_5_moe", "tiny_glm5_next"]
+FAMILIES = [*(f"tiny_mtp_{arch}" for arch in ARCHS), *GLUE]
 ENGINE = EngineConfig(block_size=4, num_blocks=512, max_model_len=256, enable_prefix_caching=False)
 
 
@@ -133,27 +136,30 @@ def test_a_checkpoint_without_mtp_layers_is_refused(tiny_deepseek_v3: Path) -> N
         load_draft(Path("mtp"), tiny_deepseek_v3, engine)
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen3_5", "tiny_qwen3_5_moe"])
-def test_qwens_mtp_module_goes_back_in_its_checkpoint_names(family: str, request) -> None:
-    """What `--draft mtp` writes back after fine-tuning: every stored tensor of the `mtp.` module,
-    in its name, dtype and bytes (experts one by one again), and nothing else."""
+@pytest.mark.parametrize("family", GLUE)
+def test_mtp_glue_goes_back_in_its_checkpoint_names(family: str, request) -> None:
+    """What `--draft mtp` writes back after fine-tuning: every stored tensor of the MTP layer, in
+    its name, dtype and bytes (experts one by one again), and nothing else: GLM-5.3-Flash's copies
+    of the embedding and the head are the served model's, and stay as stored."""
     from onboard.models.mtp import mtp_entries
 
     path = request.getfixturevalue(family)
     engine = LLMEngine(path, ENGINE)
     draft, _ = load_draft(Path("mtp"), path, engine)
     state = draft.checkpoint_state()
-    stored = mtp_entries(path)
+    stored = {n: e for n, e in mtp_entries(path).items() if not n.endswith(("embed_tokens.weight", "head.weight"))}
     assert set(state) == set(stored)
     for name, entry in stored.items():
         assert state[name].contiguous().view(torch.uint8).numpy().tobytes() == entry.read(), name
 
 
-def test_qwens_mtp_draft_caches_as_it_computes_whole(tiny_qwen3_5: Path) -> None:
-    """Row by row over its own KV cache, the module proposes what it proposes over the whole
-    sequence at once (its attention reads what it cached)."""
-    engine = LLMEngine(tiny_qwen3_5, ENGINE, dtype=torch.float32)
-    draft, _ = load_draft(Path("mtp"), tiny_qwen3_5, engine)
+@pytest.mark.parametrize("family", ["tiny_qwen3_5", "tiny_glm5_next"])
+def test_mtp_glue_caches_as_it_computes_whole(family: str, request) -> None:
+    """Row by row over its own KV cache (GLM-5.3-Flash's: its indexer's pooled keys too), the
+    layer proposes what it proposes over the whole sequence at once."""
+    path = request.getfixturevalue(family)
+    engine = LLMEngine(path, ENGINE, dtype=torch.float32)
+    draft, _ = load_draft(Path("mtp"), path, engine)
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(3, 512, (1, 24), generator=gen)
     states = torch.randn(1, 24, tiny_models.HIDDEN_SIZE, generator=gen)
@@ -167,3 +173,26 @@ def test_qwens_mtp_draft_caches_as_it_computes_whole(tiny_qwen3_5: Path) -> None
             for i in range(24)
         ]
     torch.testing.assert_close(torch.cat(rows), whole, rtol=0, atol=1e-5)
+
+
+def test_glm5_next_mtp_trains_on_padded_batches_as_on_each_sequence(tiny_glm5_next: Path) -> None:
+    """The training unroll over a right-padded batch gives each sequence's real rows what it gives
+    that sequence alone, at every depth (padding is never attended, and stays finite); a mask the
+    pooled-key indexer cannot take, training-time test's block mask, is refused."""
+    from onboard.speculator.draft import ttt_unroll
+
+    engine = LLMEngine(tiny_glm5_next, ENGINE, dtype=torch.float32)
+    draft, _ = load_draft(Path("mtp"), tiny_glm5_next, engine)
+    gen = torch.Generator().manual_seed(5)
+    aux = torch.randn(2, 20, tiny_models.HIDDEN_SIZE, generator=gen)
+    ids = torch.randint(3, 512, (2, 20), generator=gen)
+    valid = torch.ones(2, 20, dtype=torch.bool)
+    valid[1, 12:] = False
+    with torch.no_grad():
+        batch = draft.unroll(aux, ids, valid, 3)
+        alone = draft.unroll(aux[1:, :12], ids[1:, :12], valid[1:, :12], 3)
+        for s in range(3):
+            assert torch.isfinite(batch[s]).all()
+            torch.testing.assert_close(batch[s][1, : 12 - s], alone[s][0, : 12 - s], rtol=0, atol=1e-5)
+        with pytest.raises(ValueError, match="causal masks over right-padded keys"):
+            ttt_unroll(draft, aux, ids, valid, 2)
