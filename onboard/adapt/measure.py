@@ -21,7 +21,7 @@ MAX_PROMPT_TOKENS = 192
 MAX_NEW_TOKENS = 64
 TOP = 5
 MOVED_RUNS = 4  # seeds of the one-ulp input moves that a decision tie is judged against
-FLOOR_FRACTION = 0.1  # fast's mean |Δ logprob| against that move's: the decision-tie rule's bound
+FLOOR_FRACTION = 0.25  # fast's mean |Δ logprob| against that move's: the decision-tie rule's bound
 
 
 def parity_prompts(tokenizer, num_prompts: int = NUM_PROMPTS) -> list[list[int]]:
@@ -310,8 +310,10 @@ def _decision_tie(
     one-ulp move of its input embeddings no later than fast's does (what it decodes there is not
     fixed beyond rounding), and fast's log probabilities along its own tokens sit within
     `FLOOR_FRACTION` of what that move shifts transformers' by along them (`floor`).  Over 25
-    random MLA models fast numerics sat at most at 0.024 of the floor; one layer's o_proj scaled by
-    0.99 at 0.06 to 0.37 (docs/benchmarks.md, the fast-MLA sweep)."""
+    random MLA models fast numerics sat at most at 0.024 of the floor on a CPU with AMX and at
+    0.135 on one with AVX2 only (which upstream flips a rounding difference makes is luck); one
+    layer's o_proj scaled by 0.99, a 1 % error at bf16's resolution, at 0.06 to 0.37 (docs/benchmarks.md,
+    the fast-MLA sweep), and by 0.95 at 0.60 (`tests/adapt/test_decision_tie.py`)."""
     return (
         moved_divergence is not None
         and moved_divergence <= verdict.first_divergence
