@@ -266,3 +266,30 @@ def test_correction_bias_changes_the_choice_not_the_weights(checkpoint: Path) ->
     weights, indices = route(x, ours.gate_weight, bias, **kwargs)
     assert (indices == favourite).any(dim=-1).all()
     torch.testing.assert_close(weights, expected_weights(indices), atol=1e-6, rtol=0)
+
+
+def test_an_expert_in_exact_numerics_rounds_as_transformers_fused_gate_up(tmp_path: Path) -> None:
+    """transformers holds an unquantized checkpoint's experts as one `gate_up_proj` and applies SiLU
+    to the gate half of each row in place; float32 SiLU rounds such a strided half otherwise than a
+    contiguous tensor (issue #37's MLA sweep: every case of hidden size 96). Exact numerics run
+    gate and up as separate products, and must still give the fused expert's bits."""
+    import json
+    import types
+
+    import torch.nn.functional as F
+
+    from onboard.engine.layers.mlp import LlamaMLP
+
+    gen = torch.Generator().manual_seed(0)
+    hidden, inter = 96, 48
+    shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    stored = {f"e.{name}_proj.weight": torch.randn(*shape, generator=gen) for name, shape in shapes.items()}
+    save_file(stored, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": hidden}))
+    weights = CheckpointWeights(tmp_path, dtype=torch.float32, fuse_linears=False)  # exact numerics' source
+    expert = LlamaMLP(types.SimpleNamespace(hidden_act="silu"), weights, "e", expert=True)
+    gate_up = torch.cat([stored["e.gate_proj.weight"], stored["e.up_proj.weight"]])
+    for rows in range(1, 33):
+        x = torch.randn(rows, hidden, generator=gen)
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # transformers' eager expert, op for op
+        assert torch.equal(expert(x), F.linear(F.silu(gate) * up, stored["e.down_proj.weight"])), rows

@@ -122,7 +122,8 @@ class DeepseekMoE(torch.nn.Module):
             requires_grad=False,
         )
         self.experts = torch.nn.ModuleList(
-            LlamaMLP(config, weights, f"{prefix}.experts.{e}", swiglu_limit) for e in range(self.num_experts)
+            LlamaMLP(config, weights, f"{prefix}.experts.{e}", swiglu_limit, expert=True)
+            for e in range(self.num_experts)
         )
         self.shared_experts = LlamaMLP(config, weights, f"{prefix}.shared_experts", swiglu_limit)
 

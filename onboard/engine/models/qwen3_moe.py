@@ -26,7 +26,7 @@ class Qwen3MoeSparseBlock(torch.nn.Module):
         self.eager = eager
         self.gate = weights.linear(f"{prefix}.gate")
         self.experts = torch.nn.ModuleList(
-            LlamaMLP(config, weights, f"{prefix}.experts.{e}") for e in range(self.num_experts)
+            LlamaMLP(config, weights, f"{prefix}.experts.{e}", expert=True) for e in range(self.num_experts)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
