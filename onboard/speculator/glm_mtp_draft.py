@@ -12,7 +12,7 @@ indexer) and MoE:
 
 `state at i` is the target's final-normed state (aux layer N, the streams' collapse), and `out`
 is what a chain of K > 1 feeds back, as transformers' `MtpLayer` chains DeepSeek's layers. The
-interface is `MtpDraft`'s (`mtp_draft.py`).
+interface is `MtpDraftBase`'s (`mtp_base.py`).
 """
 
 import copy
@@ -25,6 +25,7 @@ from onboard.models.layers import fuse_experts, split_experts
 from onboard.models.mtp import mtp_entries, mtp_prefixes
 from onboard.models.vlm import read_config, text_model_config
 from onboard.speculator.draft import DraftStep
+from onboard.speculator.mtp_base import MtpDraftBase
 
 # The served model's embedding and head are the draft's; the layer's copies stay in the artifact.
 _SHARED = ("embed_tokens.weight", "shared_head.head.weight")
@@ -89,24 +90,12 @@ class GlmMtp(torch.nn.Module):
         self.head.weight = torch.nn.Parameter(lm_head, requires_grad=False)
 
 
-class GlmMtpDraft(torch.nn.Module):
+class GlmMtpDraft(MtpDraftBase):
+    """`MtpDraftBase`'s interface over the layer: its training unroll, step and checkpoint names."""
+
     def __init__(self, mtp: GlmMtp, num_hidden_layers: int, prefix: str):
-        super().__init__()
-        self.mtp = mtp
-        self.layer_config = mtp.config
-        self.aux_layer_ids = [num_hidden_layers]  # the final-normed state, as for DeepSeek's layers
+        super().__init__(mtp, num_hidden_layers)
         self.prefix = prefix  # the layer's checkpoint names start with it
-        self.register_buffer("t2d", torch.ones(mtp.config.vocab_size, dtype=torch.bool))
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.mtp.layers)
-
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.mtp.config)
-
-    def project(self, aux: torch.Tensor) -> torch.Tensor:
-        return aux
 
     def unroll(self, aux: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """DeepSeek-V3's MTP objective (its report, section 2.2), one module reused at every depth:

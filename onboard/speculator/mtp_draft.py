@@ -22,7 +22,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from onboard.errors import OnboardError
 from onboard.models.mtp import declared_mtp_layers
-from onboard.speculator.draft import DraftStep, additive_mask, ttt_unroll
+from onboard.speculator.draft import DraftStep, additive_mask
+from onboard.speculator.mtp_base import MtpDraftBase
 
 
 def mtp_config(config):
@@ -40,29 +41,8 @@ def mtp_config(config):
     return config
 
 
-class MtpDraft(torch.nn.Module):
+class MtpDraft(MtpDraftBase):
     """The engine's draft interface (`engine/spec_decode.py`) over transformers' MTP layers."""
-
-    def __init__(self, mtp, num_hidden_layers: int):
-        super().__init__()
-        self.mtp = mtp
-        self.layer_config = mtp.config
-        self.aux_layer_ids = [num_hidden_layers]  # transformers' hidden_states[N]: the final-normed state
-        self.register_buffer("t2d", torch.ones(mtp.config.vocab_size, dtype=torch.bool))
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.mtp.layers)
-
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.mtp.config)
-
-    def project(self, aux: torch.Tensor) -> torch.Tensor:
-        return aux
-
-    def unroll(self, aux: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
-        """Training-time test (`draft.ttt_unroll`): step s chains the layer as serving does."""
-        return ttt_unroll(self, aux, input_ids, valid, steps)
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """The MTP layers in the checkpoint's names and layout (transformers' conversions reverted)."""
@@ -106,7 +86,7 @@ class MtpDraft(torch.nn.Module):
         return DraftStep(mtp._project_to_logits(out).float(), out)
 
 
-def load_mtp_draft(path: Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor, dtype: torch.dtype) -> MtpDraft:
+def load_mtp_draft(path: Path, embed_tokens: torch.Tensor, lm_head: torch.Tensor, dtype: torch.dtype) -> MtpDraftBase:
     """The MTP layers of the checkpoint at `path` (an artifact or a source), sharing the served
     model's `embed_tokens` [V, H] and `lm_head` [V, H]."""
     from transformers.conversion_mapping import get_model_conversion_mapping

@@ -20,7 +20,8 @@ from rich.table import Table
 from onboard.console import console
 from onboard.models.mtp import has_mtp_layers
 from onboard.speculator.measure import measure_acceptance
-from onboard.speculator.mtp_draft import MtpDraft, load_mtp_draft
+from onboard.speculator.mtp_base import MtpDraftBase
+from onboard.speculator.mtp_draft import load_mtp_draft
 from onboard.workspace import ARTIFACT, RunDir, Stage
 
 SUMMARY_KEYS = ("acceptance_length", "per_position_acceptance", "speedup", "spec_lossless_greedy", "num_drafts")
@@ -31,7 +32,7 @@ def mtp_outputs(artifact: Path) -> list[str]:
     return [f"{ARTIFACT}/{path.name}" for path in sorted(Path(artifact).glob("mtp-*.safetensors"))]
 
 
-def engine_mtp(engine, path: Path) -> MtpDraft:
+def engine_mtp(engine, path: Path) -> MtpDraftBase:
     target = engine.target_tensors()
     return load_mtp_draft(path, target["embed_tokens"], target["lm_head"], engine.dtype)
 
@@ -65,7 +66,7 @@ def measure_mtp(
     return result, measured
 
 
-def write_mtp_layers(draft: MtpDraft, artifact: Path, stage: Stage, retrained: bool) -> None:
+def write_mtp_layers(draft: MtpDraftBase, artifact: Path, stage: Stage, retrained: bool) -> None:
     """The artifact's MTP shards into the stage: with the draft's layers (in the checkpoint's names
     and dtypes, transformers' conversions reverted) when `retrained`, else as they are."""
     from safetensors.torch import load_file, save_file
@@ -80,7 +81,7 @@ def write_mtp_layers(draft: MtpDraft, artifact: Path, stage: Stage, retrained: b
         save_file(tensors, str(stage.path(relative)), {"format": "pt"})
 
 
-def trainable(draft: MtpDraft) -> MtpDraft:
+def trainable(draft: MtpDraftBase) -> MtpDraftBase:
     """A float32 copy whose MTP layers train (the shared embedding and head stay frozen)."""
     draft = draft.float()
     for name, param in draft.named_parameters():

@@ -10,7 +10,7 @@ full attention), with the family's norm class:
 
 `state at i` is the target's final-normed state (transformers' last `hidden_states` entry, aux
 layer N), and `out` is what a chain of K > 1 feeds back as the next state, as vLLM chains it. The
-interface is `MtpDraft`'s (`mtp_draft.py`), so serving, measuring and `--draft mtp` fine-tuning
+interface is `MtpDraftBase`'s (`mtp_base.py`), so serving, measuring and `--draft mtp` fine-tuning
 take either layout.
 """
 
@@ -23,7 +23,8 @@ from transformers import AutoConfig, DynamicCache
 from onboard.models.layers import fuse_experts, split_experts
 from onboard.models.mtp import MODULE_PREFIX, mtp_entries
 from onboard.models.vlm import text_model_config
-from onboard.speculator.draft import DraftStep, additive_mask, ttt_unroll
+from onboard.speculator.draft import DraftStep, additive_mask
+from onboard.speculator.mtp_base import MtpDraftBase
 
 _BLOCK = "layers.0."  # within the module: its one decoder layer
 
@@ -52,26 +53,8 @@ class QwenMtp(torch.nn.Module):
         self.rotary_emb = rotary
 
 
-class QwenMtpDraft(torch.nn.Module):
-    def __init__(self, mtp: QwenMtp, num_hidden_layers: int):
-        super().__init__()
-        self.mtp = mtp
-        self.layer_config = mtp.config
-        self.aux_layer_ids = [num_hidden_layers]  # the final-normed state, as for DeepSeek's layers
-        self.register_buffer("t2d", torch.ones(mtp.config.vocab_size, dtype=torch.bool))
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.mtp.layers)
-
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.mtp.config)
-
-    def project(self, aux: torch.Tensor) -> torch.Tensor:
-        return aux
-
-    def unroll(self, aux: torch.Tensor, input_ids: torch.Tensor, valid: torch.Tensor, steps: int) -> list[torch.Tensor]:
-        return ttt_unroll(self, aux, input_ids, valid, steps)
+class QwenMtpDraft(MtpDraftBase):
+    """`MtpDraftBase`'s interface over the module: its step and checkpoint names."""
 
     def step(
         self,
