@@ -38,7 +38,8 @@ def parity_table(result: dict[str, Any]) -> Table:
             )
             table.add_row(
                 f"{label}: KL(source‖engine) against KL(source‖transformers)",
-                f"{block['kl_source_engine']:.4f}, {100 * block['damage_diff']:.2f} % apart",
+                f"{block['kl_source_engine']:.4f}, {100 * block['damage_diff']:.2f} % apart"
+                f" beyond a one-ulp move's {100 * block.get('damage_floor', 0.0):.2f} %",
             )
     if "layerwise" in result:
         layerwise = result["layerwise"]
