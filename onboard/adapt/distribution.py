@@ -16,7 +16,7 @@ same teacher-forced tokens on every side:
                less how far the same one-ulp move shifts transformers' own damage (`damage_floor`,
                0 when under it): the damage the engine serves is the damage transformers measures,
                to within what a last-bit difference changes it by.  On the quick demo's artifact
-               an AVX2-only CPU's fast numerics served 16.7 % more damage (5 standard errors),
+               fast numerics on an AVX-512 CPU without avx512_bf16 or AMX served 16.7 % more damage (5 standard errors),
                while a one-ulp move moved transformers itself by 0.95 of the quantization's KL.
 
 `source` is the unquantized model the artifact was made from.  A layer that computes something

@@ -311,7 +311,7 @@ def _decision_tie(
     fixed beyond rounding), and fast's log probabilities along its own tokens sit within
     `FLOOR_FRACTION` of what that move shifts transformers' by along them (`floor`).  Over 25
     random MLA models fast numerics sat at most at 0.024 of the floor on a CPU with AMX and at
-    0.135 on one with AVX2 only (which upstream flips a rounding difference makes is luck); one
+    0.135 on one with AVX-512 but no avx512_bf16 or AMX (which upstream flips a rounding difference makes is luck); one
     layer's o_proj scaled by 0.99, a 1 % error at bf16's resolution, at 0.06 to 0.37 (docs/benchmarks.md,
     the fast-MLA sweep), and by 0.95 at 0.60 (`tests/adapt/test_decision_tie.py`)."""
     return (
