@@ -92,6 +92,12 @@ def tiny_qwen3_5_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_minimax_m2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny MiniMax-M2 (whole-projection q/k norms, a sigmoid router). Shared: do not modify."""
+    return build_once(tmp_path_factory, "tiny_minimax_m2", tiny_models.build_minimax_m2)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny Qwen3-Next: Qwen3.5-MoE's layers with fused Gated DeltaNet projections. Shared: do not modify."""
     return build_once(tmp_path_factory, "tiny_qwen3_next", tiny_models.build_qwen3_next)

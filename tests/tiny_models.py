@@ -549,6 +549,23 @@ def build_qwen3_next(out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
+def build_minimax_m2(out_dir: Path, seed: int = 0) -> Path:
+    """A tiny MiniMax-M2 (`MiniMaxM2ForCausalLM`): RMSNorms over the whole q and k projections,
+    half-rotary heads, and in every layer a sigmoid router with a random selection bias over 8
+    experts stored under Mixtral's names (`block_sparse_moe.experts.E.w1/w3/w2`)."""
+    config = transformers.MiniMaxM2Config(
+        **{**_common_kwargs(), "intermediate_size": MOE_INTERMEDIATE_SIZE},
+        num_local_experts=NUM_ROUTED_EXPERTS,
+        num_experts_per_tok=NUM_EXPERTS_PER_TOK,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5},
+        tie_word_embeddings=False,
+    )
+    out_dir = Path(out_dir)
+    _make_model("minimax_m2", seed, config).save_pretrained(out_dir)
+    build_tokenizer(out_dir)
+    return out_dir
+
+
 def build_gemma3_text(out_dir: Path, seed: int = 0) -> Path:
     """A tiny Gemma 3 text model (`Gemma3ForCausalLM`: sandwich norms, zero-centred norms, scaled
     embeddings): a family the engine does not serve."""

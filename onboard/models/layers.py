@@ -177,11 +177,14 @@ class CheckpointLayers:
             module = self.layer_cls(self.config, index).to(self.dtype)
         keep_in_fp32(module, self.keep_fp32)
         prefix = f"model.layers.{index}."
+        # renamed under the layer's prefix: a renaming may match across it (Mixtral's `.block_sparse_moe.`)
+        stored = convert_names({prefix + k: v for k, v in self.tensors(prefix).items()}, self.model_type)
+        stored = {k.removeprefix(prefix): v for k, v in stored.items()}
         if self.quantization is not None:
-            module = self._compressed(module, index, convert_names(self.tensors(prefix), self.model_type))
+            module = self._compressed(module, index, stored)
         else:
             wanted = set(module.state_dict())
-            tensors = fuse_experts(convert_names(self.tensors(prefix), self.model_type), wanted)
+            tensors = fuse_experts(stored, wanted)
             missing = sorted(wanted - set(tensors))
             if missing:
                 raise OnboardError(f"layerwise parity: model.layers.{index} has no stored {missing[0]}")

@@ -354,6 +354,9 @@ def _save_random(config: transformers.PretrainedConfig, out: Path, seed: int = 0
             if not name.endswith("norm.weight"):
                 std = 0.35 if "embed" in name or "lm_head" in name else 0.15
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
+        for name, buffer in sorted(model.named_buffers(), key=lambda kv: kv[0]):
+            if name.endswith("e_score_correction_bias"):  # a selection bias that changes the choice
+                buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.1)
     model.to(DTYPE).save_pretrained(out)
     return out
 
@@ -430,6 +433,28 @@ def test_glm4_moe_lite_is_deepseek_v3_mla_and_moe(tmp_path):
     )
     path = _save_random(config, tmp_path / "glm4_moe_lite")
     assert model_class(transformers.AutoConfig.from_pretrained(path)).__name__ == "DeepseekV3Model"
+    assert prefill_parity(path, [13, 5]) == 0.0
+    decode_parity(path, [9, 12], chunk=5, max_new=4)
+
+
+def test_minimax_m2_whole_projection_qk_norms_and_a_sigmoid_router(tmp_path):
+    """MiniMax-M2's family: RMSNorms over the whole q and k projections, partial rotary, and a
+    sigmoid router with a selection bias and no groups over Mixtral-named experts, in every layer."""
+    config = transformers.MiniMaxM2Config(
+        **{**TINY, "intermediate_size": 32},
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5},
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    path = _save_random(config, tmp_path / "minimax_m2")
+    stored = load_file(path / "model.safetensors")
+    assert stored["model.layers.0.self_attn.q_norm.weight"].shape == (4 * 16,)
+    assert "model.layers.1.block_sparse_moe.experts.7.w3.weight" in stored
+    assert model_class(transformers.AutoConfig.from_pretrained(path)).__name__ == "MiniMaxM2Model"
     assert prefill_parity(path, [13, 5]) == 0.0
     decode_parity(path, [9, 12], chunk=5, max_new=4)
 

@@ -69,7 +69,7 @@ def route(
     return topk_weights * routed_scaling_factor, topk_indices
 
 
-def _router_weight(weights: WeightSource, prefix: str) -> torch.Tensor:
+def router_weight(weights: WeightSource, prefix: str) -> torch.Tensor:
     """The router matrix `[E, H]` as transformers holds it: in the compute dtype (transformers casts
     it to the load dtype; no recipe quantizes it, but a quantized one is served dequantized)."""
     try:
@@ -113,7 +113,7 @@ class DeepseekMoE(torch.nn.Module):
         impl = experts_implementation or getattr(config, "_experts_implementation", None) or "grouped_mm"
         # batched_mm, deepgemm, sonicmoe: float32 products summed over the k slots, as grouped_mm.
         self.experts_implementation = "eager" if impl == "eager" else "grouped_mm"
-        gate_weight = _router_weight(weights, f"{prefix}.gate")
+        gate_weight = router_weight(weights, f"{prefix}.gate")
         if gate_weight.shape[0] != self.num_experts:
             raise ValueError(f"{prefix}.gate: {gate_weight.shape[0]} experts, config says {self.num_experts}")
         self.gate_weight = torch.nn.Parameter(gate_weight.to(torch.float32), requires_grad=False)

@@ -20,11 +20,14 @@ class LlamaMLP(torch.nn.Module):
         prefix: str,
         swiglu_limit: float | None = None,
         expert: bool = False,
+        names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
     ):
+        """`names`: the gate, up and down linears as stored (Mixtral's experts: `w1`, `w3`, `w2`)."""
         super().__init__()
-        self.gate_up_proj, split = fused_or_split(weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        gate, up, down = names
+        self.gate_up_proj, split = fused_or_split(weights, [f"{prefix}.{gate}", f"{prefix}.{up}"])
         self.gate_proj, self.up_proj = split if split is not None else (None, None)
-        self.down_proj = weights.linear(f"{prefix}.down_proj")
+        self.down_proj = weights.linear(f"{prefix}.{down}")
         self.act_fn = ACT2FN[config.hidden_act]
         self.limit = swiglu_limit
         # transformers holds an unquantized checkpoint's MoE experts as one `gate_up_proj`, so its

@@ -12,6 +12,7 @@ from onboard.engine.models.glm4_moe import Glm4MoeModel
 from onboard.engine.models.glm5_next import Glm5NextModel
 from onboard.engine.models.lacking import LACKING
 from onboard.engine.models.llama import LlamaModel
+from onboard.engine.models.minimax_m2 import MiniMaxM2Model
 from onboard.engine.models.qwen3_5 import Qwen3_5Model, Qwen3_5MoeModel
 from onboard.engine.models.qwen3_moe import Qwen3MoeModel
 from onboard.engine.models.qwen3_next import Qwen3NextModel
@@ -34,6 +35,7 @@ MODEL_REGISTRY: dict[str, type[DecoderModel]] = {
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeModel,
     "Qwen3NextForCausalLM": Qwen3NextModel,  # Qwen3.5's layers with fused DeltaNet projections
     "Glm5NextForConditionalGeneration": Glm5NextModel,  # GLM-5.3-Flash: KDA, NoPE MLA + pooled DSA, mHC
+    "MiniMaxM2ForCausalLM": MiniMaxM2Model,  # whole-projection q/k norms, a sigmoid router without groups
 }
 
 GUIDE = "docs/adding-an-architecture.md"
@@ -87,6 +89,7 @@ __all__ = [
     "Glm4MoeModel",
     "Glm5NextModel",
     "LlamaModel",
+    "MiniMaxM2Model",
     "Qwen3MoeModel",
     "Qwen3NextModel",
     "Qwen3_5Model",

@@ -15,7 +15,6 @@ LACKING: dict[str, str] = {
     "attention and full-width q/k norms",
     "gpt_oss": "attention sinks, a biased top-k-then-softmax router, expert biases, clamped experts "
     "and an MXFP4 source",
-    "minimax_m2": "partial rotary, q/k norms over the whole projection and a sigmoid router without groups",
     "mistral4": "a softmax group-limited router without bias and position-dependent query scaling on MLA",
     "kimi_k25": "the VLM wrapper around DeepSeek-V3 and its INT4 source",
     "longcat_flash": "dual MLA sub-layers with a shortcut MoE per block, zero experts and MTP under model.mtp.*",
