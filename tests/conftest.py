@@ -98,6 +98,12 @@ def tiny_minimax_m2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny gpt-oss (attention sinks, alternating windows, biased clamped experts). Shared: do not modify."""
+    return build_once(tmp_path_factory, "tiny_gpt_oss", tiny_models.build_gpt_oss)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny Qwen3-Next: Qwen3.5-MoE's layers with fused Gated DeltaNet projections. Shared: do not modify."""
     return build_once(tmp_path_factory, "tiny_qwen3_next", tiny_models.build_qwen3_next)

@@ -48,7 +48,7 @@ def drained(llm: LLMEngine) -> bool:
     stats = llm.stats()
     return (
         not llm.has_unfinished()
-        and stats["state_slots_used"] == 0
+        and stats.get("state_slots_used", 0) == 0  # a family without state has no slots
         and stats["num_free_blocks"] == llm.config.num_blocks
     )
 

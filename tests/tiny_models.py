@@ -566,6 +566,23 @@ def build_minimax_m2(out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
+def build_gpt_oss(out_dir: Path, seed: int = 0) -> Path:
+    """A tiny gpt-oss (`GptOssForCausalLM`): a learned sink per head, a 16-token sliding layer then
+    a full one, q/k/v/o biases, YaRN, and a biased router over 8 clamped experts stored as 3-D
+    tensors with biases (gate and up interleaved), as transformers saves them."""
+    config = transformers.GptOssConfig(
+        **{**_common_kwargs(), "intermediate_size": MOE_INTERMEDIATE_SIZE},
+        num_local_experts=NUM_ROUTED_EXPERTS,
+        num_experts_per_tok=NUM_EXPERTS_PER_TOK,
+        sliding_window=16,
+        tie_word_embeddings=False,
+    )
+    out_dir = Path(out_dir)
+    _make_model("gpt_oss", seed, config).save_pretrained(out_dir)
+    build_tokenizer(out_dir)
+    return out_dir
+
+
 def build_gemma3_text(out_dir: Path, seed: int = 0) -> Path:
     """A tiny Gemma 3 text model (`Gemma3ForCausalLM`: sandwich norms, zero-centred norms, scaled
     embeddings): a family the engine does not serve."""

@@ -323,11 +323,13 @@ def _decision_tie(
 
 def _cache_after(model, reference: ReferenceDecode, generated: int):
     """transformers' cache after the prompt and the first `generated` tokens of its own
-    continuation, and its attention mask: the end cache cut back, or, where a layer's recurrent
-    state cannot be cut back (linear attention), rebuilt the way `generate` built it (the prompt,
-    then each token alone)."""
+    continuation, and its attention mask: the end cache cut back, or, where a layer cannot be cut
+    back (linear attention's recurrent state, a sliding layer past its window: transformers keeps
+    the last window of keys only), rebuilt the way `generate` built it (the prompt, then each token
+    alone)."""
     length = len(reference.prompt) + generated
-    if not any(hasattr(layer, "recurrent_states") for layer in getattr(reference.cache, "layers", [])):
+    layers = getattr(reference.cache, "layers", [])
+    if not any(hasattr(layer, "recurrent_states") or hasattr(layer, "sliding_window") for layer in layers):
         cache = copy.deepcopy(reference.cache)
         cache.crop(length)
         return cache, torch.ones(1, length, dtype=torch.long, device=model.device)

@@ -111,8 +111,6 @@ def check_layerwise(path: Path) -> Any:
     config = text_model_config(top)
     if config is not top and getattr(top, "quantization_config", None):
         config.quantization_config = top.quantization_config
-    if any(t == "sliding_attention" for t in getattr(config, "layer_types", None) or []):
-        raise OnboardError("layer-by-layer runs do not build sliding-window masks yet; run this stage in memory")
     return config
 
 
@@ -128,7 +126,10 @@ class CheckpointLayers:
         self.wrapper = wrapper_of(top)  # a VLM's text tensors sit under its prefix
         self.model_type = str(top.get("model_type", ""))  # the conversion mapping's key
         config = copy.deepcopy(config)  # the engine keeps its own
-        config._attn_implementation = "sdpa"
+        # what `from_pretrained` picks: SDPA, or eager where the family has no SDPA path (gpt-oss's sinks)
+
+        supports_sdpa = getattr(AutoModel._model_mapping[type(config)], "_supports_sdpa", True)
+        config._attn_implementation = "sdpa" if supports_sdpa else "eager"
         self.quantization = None
         self.linearize = False  # quantized MoE experts: one Linear per expert, as stored
         raw = getattr(config, "quantization_config", None)
@@ -244,17 +245,21 @@ class CheckpointLayers:
         rope_ids = (
             position_ids.expand(3, *position_ids.shape) if hasattr(self.rotary, "mrope_section") else position_ids
         )
+        sliding = getattr(getattr(module, "self_attn", None), "sliding_window", None) is not None
         return {
-            "attention_mask": None if linear else self.mask(hidden, position_ids),
+            "attention_mask": None if linear else self.mask(hidden, position_ids, sliding),
             "position_ids": position_ids,
             "position_embeddings": None if self.rotary is None else self.rotary(hidden, rope_ids),
         }
 
-    def mask(self, embeds: torch.Tensor, position_ids: torch.Tensor):
-        from transformers.masking_utils import create_causal_mask
+    def mask(self, embeds: torch.Tensor, position_ids: torch.Tensor, sliding: bool = False):
+        """The mask transformers' text model builds for a layer: causal, or causal within the
+        config's `sliding_window` for a sliding layer."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         sparse = getattr(self.config, "index_topk", None) is not None  # DSA layers always get a mask
-        return create_causal_mask(
+        build = create_sliding_window_causal_mask if sliding else create_causal_mask
+        return build(
             config=self.config,
             inputs_embeds=embeds,
             attention_mask=None,

@@ -6,6 +6,8 @@ import json
 
 import pytest
 import torch
+import transformers
+from state_family import check_preemption, check_rollback, drained, engine, greedy, greedy_reference, prompts
 
 from onboard.adapt.measure import measure_parity
 from onboard.models import inspect_checkpoint
@@ -15,6 +17,7 @@ CALIB = Calibration(num_samples=2, max_seq_length=64)
 # fixture -> (architecture, engine model, recipe)
 FAMILIES = {
     "tiny_minimax_m2": ("MiniMaxM2ForCausalLM", "MiniMaxM2Model", "minimax_m2.yaml"),
+    "tiny_gpt_oss": ("GptOssForCausalLM", "GptOssModel", "gpt_oss.yaml"),
 }
 
 
@@ -38,7 +41,7 @@ def test_the_recipes_nvfp4_artifact_is_proven(family: str, request: pytest.Fixtu
     settings = Quantize.model_validate({**recipe.quantize.model_dump(), "calibration": CALIB.model_dump()})
     artifact = quantized_run(source, settings) / "artifact"
     ignore = json.loads((artifact / "config.json").read_text())["quantization_config"]["ignore"]
-    assert "lm_head" in ignore and any(name.endswith(".gate") for name in ignore)  # the routers stay BF16
+    assert "lm_head" in ignore and any(name.endswith((".gate", ".router")) for name in ignore)  # routers: BF16
     result = measure_parity(
         inspect_checkpoint(artifact), torch.bfloat16, num_prompts=2, source=inspect_checkpoint(source)
     )
@@ -47,3 +50,17 @@ def test_the_recipes_nvfp4_artifact_is_proven(family: str, request: pytest.Fixtu
     exact = result["distribution"]
     assert exact["kl_ratio"] == 0.0 and exact["damage_diff"] == 0.0 and exact["kl_source_transformers"] > 0
     assert result["layerwise"]["passed"] and result["layerwise"]["max_linear_ratio"] == 0.0
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_engine_serves_it_as_transformers_generates(family: str, request: pytest.FixtureRequest) -> None:
+    """Prompts longer than gpt-oss's window prefilled in 48-token chunks and decoded past it,
+    preempted sequences recomputed, and rejected draft tokens rolled back: transformers' tokens."""
+    source = request.getfixturevalue(family)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).eval()
+    reference = greedy_reference(hf)
+    llm = engine(source, max_num_batched_tokens=48)
+    assert [o.token_ids for o in llm.generate(prompts(), greedy())] == reference
+    assert drained(llm)
+    check_preemption(source, reference)
+    check_rollback(source, 3)

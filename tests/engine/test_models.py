@@ -459,6 +459,28 @@ def test_minimax_m2_whole_projection_qk_norms_and_a_sigmoid_router(tmp_path):
     decode_parity(path, [9, 12], chunk=5, max_new=4)
 
 
+def test_gpt_oss_sinks_alternating_windows_and_biased_clamped_experts(tmp_path):
+    """gpt-oss's family: q/k/v/o biases, a learned sink per head, sliding and full layers
+    alternating, YaRN, float32-product norms, and a biased top-k-then-softmax router over clamped
+    experts stored as 3-D tensors with biases; prompts longer than the window, decode across it."""
+    config = transformers.GptOssConfig(
+        **{**TINY, "intermediate_size": 32},
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    assert config.layer_types == ["sliding_attention", "full_attention"]
+    path = _save_random(config, tmp_path / "gpt_oss")
+    assert "model.layers.0.self_attn.sinks" in load_file(path / "model.safetensors")
+    assert model_class(transformers.AutoConfig.from_pretrained(path)).__name__ == "GptOssModel"
+    assert prefill_parity(path, [13, 5]) == 0.0
+    decode_parity(path, [9, 12], chunk=5, max_new=6)
+
+
 def test_registry():
     assert set(supported_architectures()) == set(MODEL_REGISTRY)
     assert model_class(transformers.Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"])) is Qwen3MoeModel

@@ -62,6 +62,15 @@ class LlamaAttention(torch.nn.Module):
         self.sliding_window = sliding_window(config, layer_idx)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        h = self.num_heads
+        qk, v = self.rotated(x, ctx)
+        out = ctx.backend.attend(
+            qk[:, :h], qk[:, h:], v, self.layer_idx, ctx.cache, ctx.attn, self.scale, self.sliding_window
+        )
+        return self.o_proj.forward(out.reshape(x.shape[0], h * self.head_dim))
+
+    def rotated(self, x: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k heads stacked `[T, h + kvh, d]`, normed and rotated; v `[T, kvh, d]`."""
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.q_norm is not None:
@@ -77,11 +86,7 @@ class LlamaAttention(torch.nn.Module):
             v = v_proj(x).view(t, kvh, d)
         if self.qk_norm is not None:
             qk = self.qk_norm.forward(qk)
-        qk = apply_rotary(qk, ctx.tables["cos"], ctx.tables["sin"])
-        out = ctx.backend.attend(
-            qk[:, :h], qk[:, h:], v, self.layer_idx, ctx.cache, ctx.attn, self.scale, self.sliding_window
-        )
-        return self.o_proj.forward(out.reshape(t, h * d))
+        return apply_rotary(qk, ctx.tables["cos"], ctx.tables["sin"]), v
 
     def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q `[T, h*d]`, k and v `[T, kvh*d]`."""

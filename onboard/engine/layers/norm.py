@@ -23,6 +23,17 @@ class RMSNorm(torch.nn.Module):
         return self.weight * h.to(dtype)
 
 
+class UpcastRMSNorm(RMSNorm):
+    """gpt-oss's RMSNorm: the weight multiplies the float32 normalized state, and the product is
+    cast back (transformers' `GptOssRMSNorm`), not the weight times the cast state."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h).to(dtype)
+
+
 class ZeroCenteredRMSNorm(RMSNorm):
     """Qwen3.5's and Qwen3-Next's RMSNorm: the weight is stored centred on zero and multiplied as
     `1 + w`, in float32 before the cast back (transformers' `Qwen3_5RMSNorm`, op for op)."""

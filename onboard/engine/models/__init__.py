@@ -10,6 +10,7 @@ from onboard.engine.models.base import DecoderModel
 from onboard.engine.models.deepseek_v3 import DeepseekV3Model
 from onboard.engine.models.glm4_moe import Glm4MoeModel
 from onboard.engine.models.glm5_next import Glm5NextModel
+from onboard.engine.models.gpt_oss import GptOssModel
 from onboard.engine.models.lacking import LACKING
 from onboard.engine.models.llama import LlamaModel
 from onboard.engine.models.minimax_m2 import MiniMaxM2Model
@@ -35,7 +36,8 @@ MODEL_REGISTRY: dict[str, type[DecoderModel]] = {
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeModel,
     "Qwen3NextForCausalLM": Qwen3NextModel,  # Qwen3.5's layers with fused DeltaNet projections
     "Glm5NextForConditionalGeneration": Glm5NextModel,  # GLM-5.3-Flash: KDA, NoPE MLA + pooled DSA, mHC
-    "MiniMaxM2ForCausalLM": MiniMaxM2Model,  # whole-projection q/k norms, a sigmoid router without groups
+    "MiniMaxM2ForCausalLM": MiniMaxM2Model,
+    "GptOssForCausalLM": GptOssModel,  # attention sinks, alternating windows, biased clamped experts  # whole-projection q/k norms, a sigmoid router without groups
 }
 
 GUIDE = "docs/adding-an-architecture.md"
@@ -88,6 +90,7 @@ __all__ = [
     "DeepseekV3Model",
     "Glm4MoeModel",
     "Glm5NextModel",
+    "GptOssModel",
     "LlamaModel",
     "MiniMaxM2Model",
     "Qwen3MoeModel",

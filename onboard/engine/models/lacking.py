@@ -13,8 +13,6 @@ LACKING: dict[str, str] = {
     "nemotron_h": "Mamba2 layers with a per-sequence recurrent state, NoPE attention and relu² experts",
     "olmo_hybrid": "Gated DeltaNet linear attention with a per-sequence recurrent state, post-norm NoPE "
     "attention and full-width q/k norms",
-    "gpt_oss": "attention sinks, a biased top-k-then-softmax router, expert biases, clamped experts "
-    "and an MXFP4 source",
     "mistral4": "a softmax group-limited router without bias and position-dependent query scaling on MLA",
     "kimi_k25": "the VLM wrapper around DeepSeek-V3 and its INT4 source",
     "longcat_flash": "dual MLA sub-layers with a shortcut MoE per block, zero experts and MTP under model.mtp.*",
