@@ -36,8 +36,8 @@ MODEL_REGISTRY: dict[str, type[DecoderModel]] = {
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeModel,
     "Qwen3NextForCausalLM": Qwen3NextModel,  # Qwen3.5's layers with fused DeltaNet projections
     "Glm5NextForConditionalGeneration": Glm5NextModel,  # GLM-5.3-Flash: KDA, NoPE MLA + pooled DSA, mHC
-    "MiniMaxM2ForCausalLM": MiniMaxM2Model,
-    "GptOssForCausalLM": GptOssModel,  # attention sinks, alternating windows, biased clamped experts  # whole-projection q/k norms, a sigmoid router without groups
+    "MiniMaxM2ForCausalLM": MiniMaxM2Model,  # whole-projection q/k norms, a sigmoid router without groups
+    "GptOssForCausalLM": GptOssModel,  # attention sinks, alternating windows, biased clamped experts
 }
 
 GUIDE = "docs/adding-an-architecture.md"
