@@ -92,6 +92,12 @@ def tiny_qwen3_5_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_glm4_moe_lite(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny GLM-4.7-Flash (DeepSeek-V3's MLA and MoE under its own name). Shared: do not modify."""
+    return build_once(tmp_path_factory, "tiny_glm4_moe_lite", tiny_models.build_glm4_moe_lite)
+
+
+@pytest.fixture(scope="session")
 def tiny_minimax_m2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny MiniMax-M2 (whole-projection q/k norms, a sigmoid router). Shared: do not modify."""
     return build_once(tmp_path_factory, "tiny_minimax_m2", tiny_models.build_minimax_m2)

@@ -549,16 +549,33 @@ def build_qwen3_next(out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
+def build_glm4_moe_lite(out_dir: Path, seed: int = 0) -> Path:
+    """A tiny GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`): DeepSeek-V3's MLA with a query latent and
+    its MoE (`mlp_layer_types`: layer 0 dense), in DeepSeek-V3.2's fixture sizes, interleaved rope."""
+    mla = {k: v for k, v in _deepseek_config("deepseek_v32", _common_kwargs()).to_dict().items()}
+    keep = set(transformers.Glm4MoeLiteConfig().to_dict()) - {"architectures", "model_type", "transformers_version"}
+    config = transformers.Glm4MoeLiteConfig(**{k: v for k, v in mla.items() if k in keep and not k.startswith("index")})
+    out_dir = Path(out_dir)
+    _make_model("glm4_moe_lite", seed, config).save_pretrained(out_dir)
+    build_tokenizer(out_dir)
+    return out_dir
+
+
 def build_minimax_m2(out_dir: Path, seed: int = 0) -> Path:
     """A tiny MiniMax-M2 (`MiniMaxM2ForCausalLM`): RMSNorms over the whole q and k projections,
     half-rotary heads, and in every layer a sigmoid router with a random selection bias over 8
-    experts stored under Mixtral's names (`block_sparse_moe.experts.E.w1/w3/w2`)."""
+    experts stored under Mixtral's names (`block_sparse_moe.experts.E.w1/w3/w2`). config.json also
+    carries the release's keys transformers does not read and vLLM does (`rotary_dim`,
+    `scoring_func`, `use_routing_bias`: without the last vLLM drops the selection bias)."""
     config = transformers.MiniMaxM2Config(
         **{**_common_kwargs(), "intermediate_size": MOE_INTERMEDIATE_SIZE},
         num_local_experts=NUM_ROUTED_EXPERTS,
         num_experts_per_tok=NUM_EXPERTS_PER_TOK,
         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5},
         tie_word_embeddings=False,
+        rotary_dim=HEAD_DIM // 2,
+        scoring_func="sigmoid",
+        use_routing_bias=True,
     )
     out_dir = Path(out_dir)
     _make_model("minimax_m2", seed, config).save_pretrained(out_dir)

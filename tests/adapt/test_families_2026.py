@@ -16,6 +16,7 @@ from onboard.recipes import Calibration, Quantize, recipe_for
 CALIB = Calibration(num_samples=2, max_seq_length=64)
 # fixture -> (architecture, engine model, recipe)
 FAMILIES = {
+    "tiny_glm4_moe_lite": ("Glm4MoeLiteForCausalLM", "DeepseekV3Model", "deepseek_v3.yaml"),
     "tiny_minimax_m2": ("MiniMaxM2ForCausalLM", "MiniMaxM2Model", "minimax_m2.yaml"),
     "tiny_gpt_oss": ("GptOssForCausalLM", "GptOssModel", "gpt_oss.yaml"),
 }

@@ -418,25 +418,6 @@ def test_glm4_moe_partial_rotary_biases_and_deepseek_moe(tmp_path):
     decode_parity(path, [9, 12], chunk=5, max_new=4)
 
 
-def test_glm4_moe_lite_is_deepseek_v3_mla_and_moe(tmp_path):
-    """GLM-4.7-Flash's family (`glm4_moe_lite`): DeepSeek-V3's MLA (interleaved rope, q_lora_rank)
-    and MoE with `mlp_layer_types`; served by DeepseekV3Model from a registry line."""
-    config = transformers.Glm4MoeLiteConfig(
-        **{**TINY, "num_key_value_heads": TINY["num_attention_heads"]},  # MLA: a latent per head
-        q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=16,
-        v_head_dim=16,
-        **DEEPSEEK_MOE,
-        routed_scaling_factor=1.8,
-    )
-    path = _save_random(config, tmp_path / "glm4_moe_lite")
-    assert model_class(transformers.AutoConfig.from_pretrained(path)).__name__ == "DeepseekV3Model"
-    assert prefill_parity(path, [13, 5]) == 0.0
-    decode_parity(path, [9, 12], chunk=5, max_new=4)
-
-
 def test_minimax_m2_whole_projection_qk_norms_and_a_sigmoid_router(tmp_path):
     """MiniMax-M2's family: RMSNorms over the whole q and k projections, partial rotary, and a
     sigmoid router with a selection bias and no groups over Mixtral-named experts, in every layer."""
