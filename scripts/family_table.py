@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import tiny_models
 
 from onboard.adapt.measure import measure_parity
-from onboard.engine.models import kv_layout_for
+from onboard.engine import kv_layout_for
 from onboard.evaluate.stage import eval_windows, measure_kl
 from onboard.models import inspect_checkpoint, load_model, load_tokenizer
 from onboard.quantize.stage import run_quantize
