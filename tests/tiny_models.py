@@ -320,6 +320,14 @@ def _make_model(
     return model
 
 
+def _write(out_dir: Path, seed: int, config: transformers.PretrainedConfig) -> Path:
+    """A causal LM of `config` (seeded weights) and the tokenizer, in `out_dir`."""
+    out_dir = Path(out_dir)
+    _make_model(config.model_type, seed, config).save_pretrained(out_dir)
+    build_tokenizer(out_dir)
+    return out_dir
+
+
 def build_model(out_dir: Path, arch: str, seed: int = 0) -> Path:
     """Write a tiny `arch` checkpoint (config, safetensors, tokenizer, generation config)."""
     if arch not in ARCHS:
@@ -543,10 +551,7 @@ def build_qwen3_next(out_dir: Path, seed: int = 0) -> Path:
         shared_expert_intermediate_size=MOE_INTERMEDIATE_SIZE,
         mlp_only_layers=[0],
     )
-    out_dir = Path(out_dir)
-    _make_model("qwen3_next", seed, config).save_pretrained(out_dir)
-    build_tokenizer(out_dir)
-    return out_dir
+    return _write(out_dir, seed, config)
 
 
 def build_glm4_moe_lite(out_dir: Path, seed: int = 0) -> Path:
@@ -555,10 +560,7 @@ def build_glm4_moe_lite(out_dir: Path, seed: int = 0) -> Path:
     mla = {k: v for k, v in _deepseek_config("deepseek_v32", _common_kwargs()).to_dict().items()}
     keep = set(transformers.Glm4MoeLiteConfig().to_dict()) - {"architectures", "model_type", "transformers_version"}
     config = transformers.Glm4MoeLiteConfig(**{k: v for k, v in mla.items() if k in keep and not k.startswith("index")})
-    out_dir = Path(out_dir)
-    _make_model("glm4_moe_lite", seed, config).save_pretrained(out_dir)
-    build_tokenizer(out_dir)
-    return out_dir
+    return _write(out_dir, seed, config)
 
 
 def build_minimax_m2(out_dir: Path, seed: int = 0) -> Path:
@@ -577,10 +579,7 @@ def build_minimax_m2(out_dir: Path, seed: int = 0) -> Path:
         scoring_func="sigmoid",
         use_routing_bias=True,
     )
-    out_dir = Path(out_dir)
-    _make_model("minimax_m2", seed, config).save_pretrained(out_dir)
-    build_tokenizer(out_dir)
-    return out_dir
+    return _write(out_dir, seed, config)
 
 
 def build_gpt_oss(out_dir: Path, seed: int = 0) -> Path:
@@ -594,20 +593,14 @@ def build_gpt_oss(out_dir: Path, seed: int = 0) -> Path:
         sliding_window=16,
         tie_word_embeddings=False,
     )
-    out_dir = Path(out_dir)
-    _make_model("gpt_oss", seed, config).save_pretrained(out_dir)
-    build_tokenizer(out_dir)
-    return out_dir
+    return _write(out_dir, seed, config)
 
 
 def build_gemma3_text(out_dir: Path, seed: int = 0) -> Path:
     """A tiny Gemma 3 text model (`Gemma3ForCausalLM`: sandwich norms, zero-centred norms, scaled
     embeddings): a family the engine does not serve."""
     config = transformers.Gemma3TextConfig(**_common_kwargs(), sliding_window=16, tie_word_embeddings=True)
-    out_dir = Path(out_dir)
-    _make_model("gemma3_text", seed, config).save_pretrained(out_dir)
-    build_tokenizer(out_dir)
-    return out_dir
+    return _write(out_dir, seed, config)
 
 
 def _add_qwen_mtp(out_dir: Path, seed: int, text: transformers.PretrainedConfig) -> None:
