@@ -62,6 +62,8 @@ class LinearizedExpert(torch.nn.Module):
         self.down_proj = weights.linear(f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # llm-compressor concatenates the two and splits them again: the activation then reads
+        # strided halves, which float32 rounds otherwise than contiguous tensors (`LlamaMLP.halves`)
         gate, up = torch.cat([self.gate_proj.forward(x), self.up_proj.forward(x)], dim=-1).chunk(2, dim=-1)
         return self.down_proj.forward(clamped_swiglu(gate, up, linearized=True))
 
