@@ -31,6 +31,7 @@ import torch.nn.functional as F
 MIN_ROWS = 32  # below, widening the weight costs more than the bf16 kernel saves (lm_head, 16 rows)
 _BF16_ISAS = ("ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10")
 _bf16_linear = F.linear
+_bf16_matmul = torch.matmul
 _unrouted = threading.local()
 
 
@@ -42,6 +43,15 @@ def bf16_dot_product() -> bool:
     return torch.ops.mkldnn._is_mkldnn_bf16_supported() and (
         torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     )
+
+
+def cap_below_native() -> str:
+    """A oneDNN ISA cap under this CPU's own, so that other kernels run (a cap at or above what
+    the CPU has is no cap): `AVX512_CORE` (no bf16 instructions) where it multiplies bf16
+    natively, `AVX2` on AVX-512 without, `SSE41` on AVX2.  `make test-isa` runs under it."""
+    if bf16_dot_product():
+        return "AVX512_CORE"
+    return "AVX2" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "SSE41"
 
 
 def linear_via_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,6 +73,37 @@ def linear_via_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def _widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """bf16 operands multiplied in float32, the sums rounded once to bf16."""
     return _bf16_linear(x.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
+
+
+def matmul_via_fp32(a: torch.Tensor, b: torch.Tensor, **kwargs) -> torch.Tensor:
+    """`torch.matmul`, with bf16 CPU products of `MIN_ROWS` rows or more summed in float32 GEMM."""
+    if (
+        kwargs
+        or getattr(_unrouted, "on", False)
+        or a.device.type != "cpu"
+        or a.dtype is not torch.bfloat16
+        or b.dtype is not torch.bfloat16
+        or a.dim() < 2
+        or a.shape[-2] < MIN_ROWS
+    ):
+        return _bf16_matmul(a, b, **kwargs)
+    return _bf16_matmul(a.float(), b.float()).to(torch.bfloat16)
+
+
+@contextlib.contextmanager
+def matmuls_via_fp32() -> Iterator[None]:
+    """`torch.matmul` routed as `F.linear` is, inside, where the CPU has no bf16 dot product: for
+    transformers' eager attention (scores and the weighted sum of values are `torch.matmul`), which
+    llm-compressor's calibration forces.  Only there: the engine's exact kernels compute what
+    transformers computes outside it, with the same ops."""
+    if bf16_dot_product():
+        yield
+        return
+    torch.matmul = matmul_via_fp32
+    try:
+        yield
+    finally:
+        torch.matmul = _bf16_matmul
 
 
 @contextlib.contextmanager

@@ -18,7 +18,9 @@
 # Environment: DEMO (the bf16 checkpoint), INTEROP_DIR (runs/interop), INTEROP_DEMO_RUN (runs/demo),
 # INTEROP_DRAFT (an EAGLE-3 export; default $OUT/draft/speculator, else the demo run's),
 # INTEROP_EVAL_TOKENS (512: the full-vocabulary answers are 49152 log-probabilities per token),
-# INTEROP_SMOKE_PROMPTS (20), INTEROP_SMOKE_TOKENS (128), INTEROP_SMOKE_MODELS (bf16 fp8).
+# INTEROP_SMOKE_PROMPTS (20), INTEROP_SMOKE_TOKENS (128), INTEROP_SMOKE_MODELS (bf16 fp8),
+# INTEROP_MODELS (the artifacts served: fp8 w4a4 mixed), INTEROP_EVAL_TOPK (20 -1: the top-20 lower
+# bound and the full vocabulary), INTEROP_BENCH_CONCURRENCY (1,4,16).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -36,6 +38,10 @@ DEMO="${DEMO:-$("$ONBOARD" demo --fetch-only | tail -n 1)}"
 DRAFT="${INTEROP_DRAFT:-$OUT/draft/speculator}"
 [[ -f "$DRAFT/config.json" ]] || DRAFT="${INTEROP_DEMO_RUN:-runs/demo}/artifact/speculator"
 EVAL_ARGS=(--max-tokens "${INTEROP_EVAL_TOKENS:-512}" --window 128)
+read -r -a MODELS <<<"${INTEROP_MODELS:-fp8 w4a4 mixed}"
+# The run whose directory holds the bf16 checks' results (smoke and acceptance write under its
+# endpoints/): any of the artifacts' runs, all of them of the demo checkpoint.
+HOST_RUN="$OUT/${MODELS[0]}"
 SMOKE_ARGS=(--num-prompts "${INTEROP_SMOKE_PROMPTS:-20}" --max-tokens "${INTEROP_SMOKE_TOKENS:-128}")
 CHECKS=" ${*:-eval smoke bench acceptance tests} "
 wants() { [[ "$CHECKS" == *" $1 "* ]]; }
@@ -87,7 +93,7 @@ probe() {  # NAME: one prompt_logprobs completion (serves, or refuses); the resp
   echo "$1: prompt_logprobs answered ($(wc -c <"$LOGS/probe-$1.json") bytes, $LOGS/probe-$1.json)"
 }
 eval_endpoint() {  # RUN URL LABEL: top-20 (a lower bound) and the full vocabulary
-  for k in 20 -1; do
+  for k in ${INTEROP_EVAL_TOPK:-20 -1}; do
     "$ONBOARD" eval "$1" "${EVAL_ARGS[@]}" --endpoint "$2" --top-logprobs "$k" --out "$RESULTS/eval-$3-k$k.json"
   done
 }
@@ -98,12 +104,12 @@ if vllm_up "$DEMO" bf16 --max-num-seqs 16; then
   if wants smoke && [[ " ${INTEROP_SMOKE_MODELS:-bf16 fp8} " == *" bf16 "* ]]; then
     # The reference is the local engine on the original checkpoint (the run's): bf16 is served from
     # the demo checkpoint itself, so its rates should equal the reference's.
-    timed "smoke bf16" "$ONBOARD" smoke "$OUT/fp8" "${SMOKE_ARGS[@]}" --endpoint "$VLLM"
-    cp "$OUT/fp8/endpoints/127.0.0.1_$VPORT/smoke/smoke.json" "$RESULTS/smoke-bf16-vllm.json"
+    timed "smoke bf16" "$ONBOARD" smoke "$HOST_RUN" "${SMOKE_ARGS[@]}" --endpoint "$VLLM"
+    cp "$HOST_RUN/endpoints/127.0.0.1_$VPORT/smoke/smoke.json" "$RESULTS/smoke-bf16-vllm.json"
   fi
   if wants bench; then
     onboard_up "$DEMO" bf16
-    timed "bench bf16" "$ONBOARD" bench "$DEMO" --endpoint "$OWN" --endpoint "$VLLM" --concurrency 1,4,16 \
+    timed "bench bf16" "$ONBOARD" bench "$DEMO" --endpoint "$OWN" --endpoint "$VLLM" --concurrency "${INTEROP_BENCH_CONCURRENCY:-1,4,16}" \
       --max-tokens 64 --out "$RESULTS/bench-bf16.json"
     onboard_down
   fi
@@ -115,7 +121,7 @@ if vllm_up "$DEMO" bf16 --max-num-seqs 16; then
 fi
 
 # ---- the artifacts: probe and eval, vLLM then onboard serve ---------------------------------------
-for name in fp8 w4a4 mixed; do
+for name in "${MODELS[@]}"; do
   run="$OUT/$name"
   if wants eval; then
     timed "eval $name in process" "$ONBOARD" eval "$run" "${EVAL_ARGS[@]}" --out "$RESULTS/eval-$name-inprocess.json"
@@ -141,15 +147,15 @@ done
 if wants acceptance; then
   spec="{\"method\": \"eagle3\", \"model\": \"$(realpath "$DRAFT")\", \"num_speculative_tokens\": 3}"
   if scripts/interop_serve.sh "$DEMO" "$VPORT" --served-model-name bf16 --speculative-config "$spec"; then
-    timed "acceptance vLLM" "$ONBOARD" speculator "$OUT/fp8" --endpoint "$VLLM"
-    cp "$OUT/fp8/endpoints/127.0.0.1_$VPORT/speculator/metrics.json" "$RESULTS/acceptance-vllm.json"
+    timed "acceptance vLLM" "$ONBOARD" speculator "$HOST_RUN" --endpoint "$VLLM"
+    cp "$HOST_RUN/endpoints/127.0.0.1_$VPORT/speculator/metrics.json" "$RESULTS/acceptance-vllm.json"
     vllm_down bf16-eagle3
   else  # a refusal is a finding of its own (docs/benchmarks.md), not a failure
     grep -oE '[A-Za-z]*Error: .*' "$LOGS/vllm-$VPORT.log" | tail -n 3 >"$RESULTS/acceptance-vllm-refusal.txt" || true
   fi
   onboard_up "$DEMO" bf16 --speculator "$DRAFT"
-  timed "acceptance onboard serve" "$ONBOARD" speculator "$OUT/fp8" --endpoint "$OWN"
-  cp "$OUT/fp8/endpoints/127.0.0.1_$OPORT/speculator/metrics.json" "$RESULTS/acceptance-onboard.json"
+  timed "acceptance onboard serve" "$ONBOARD" speculator "$HOST_RUN" --endpoint "$OWN"
+  cp "$HOST_RUN/endpoints/127.0.0.1_$OPORT/speculator/metrics.json" "$RESULTS/acceptance-onboard.json"
   onboard_down
 fi
 

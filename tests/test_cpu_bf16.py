@@ -94,3 +94,37 @@ def test_inside_bf16_kernels_nothing_is_routed(monkeypatch: pytest.MonkeyPatch) 
     assert widened == []
     cpu_bf16.linear_via_fp32(x, weight, bias)
     assert widened == [1]
+
+
+def test_matmuls_are_routed_only_inside_the_block_and_only_without_the_dot_product(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randn(2, 3, cpu_bf16.MIN_ROWS, 24, generator=gen).bfloat16()
+    keys = torch.randn(2, 3, 24, cpu_bf16.MIN_ROWS, generator=gen).bfloat16()
+    original = torch.matmul
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    with cpu_bf16.matmuls_via_fp32():
+        assert torch.matmul is cpu_bf16.matmul_via_fp32
+        routed = torch.matmul(scores, keys)
+        assert torch.equal(routed, original(scores.float(), keys.float()).bfloat16())
+        one_row = scores[:, :, :1]  # a decode step keeps the bf16 kernel
+        assert torch.equal(torch.matmul(one_row, keys), original(one_row, keys))
+    assert torch.matmul is original
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    with cpu_bf16.matmuls_via_fp32():
+        assert torch.matmul is original
+
+
+@pytest.mark.parametrize(
+    ("bf16", "capability", "cap"),
+    [(True, "AVX512", "AVX512_CORE"), (False, "AVX512", "AVX2"), (False, "AVX2", "SSE41")],
+)
+def test_make_test_isa_caps_below_the_cpus_own_isa(
+    monkeypatch: pytest.MonkeyPatch, bf16: bool, capability: str, cap: str
+) -> None:
+    monkeypatch.setattr(cpu_bf16, "bf16_dot_product", lambda: bf16)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert cpu_bf16.cap_below_native() == cap

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 
-from onboard import atomic
+from onboard import atomic, cpu_bf16
 from onboard.models.conversion import renamed
 from onboard.models.headers import safetensors_entries
 from onboard.quantize.schemes import SCHEMES
@@ -282,6 +282,10 @@ def apply(model: torch.nn.Module, tokenizer, recipe, dataset: Dataset | None, ma
         _rotations_without_embedding_centering(),
         _autoround_leaves_other_modifiers_modules(),
         _autoround_in_bf16_on_every_cpu(),
+        # llm-compressor calibrates with eager attention (`calibration_forward_context`), whose bf16
+        # `torch.matmul`s were 70 % of the quick demo's quantize under an AVX2 cap (171 s, 28 s with
+        # avx512_bf16): on such CPUs they are summed in float32 GEMM, as bf16 linears are.
+        cpu_bf16.matmuls_via_fp32(),
     ):
         _oneshot(model, tokenizer, recipe, dataset, max_seq_length)
 

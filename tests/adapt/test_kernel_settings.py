@@ -22,7 +22,7 @@ import pytest
 
 pytestmark = pytest.mark.isa  # processes of their own under other kernels: `make test-isa` runs them
 
-# AVX512_CORE is `make test-isa`'s cap, under which CI runs every parity test again.
+# `make test-isa` runs every parity test again under a cap below the CPU's (`cpu_bf16.cap_below_native`).
 SETTINGS = {
     "avx2": ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, "on"),
     "onednn_off": ({}, "off"),
